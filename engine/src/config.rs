@@ -1,0 +1,230 @@
+//! Configuration: a TOML file, overridden by environment variables, overridden by flags
+//! (CONTRACT.md section 2). Parsed and validated once in `main`, then passed down by value;
+//! nothing below `main` reads the environment.
+//!
+//! Only the settings that the implemented commands use live here; each later subsystem adds
+//! its section (with its bounds checked in [`Config::validate`]).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::stack::StackEnv;
+
+/// The stack directory used when none is given (CONTRACT.md section 1).
+pub const DEFAULT_STACK_DIR: &str = "var/stack";
+/// The configuration file read when `--config` is absent and it exists.
+pub const DEFAULT_CONFIG_FILE: &str = "flashsale.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid {name}: {message}")]
+    Invalid { name: &'static str, message: String },
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub redis_url: String,
+    pub pg_url: String,
+    pub nats_url: String,
+    pub http_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+}
+
+/// The TOML file's shape. Every field optional: the file only overrides defaults.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    redis: Option<UrlSection>,
+    pg: Option<UrlSection>,
+    nats: Option<UrlSection>,
+    http: Option<AddrSection>,
+    admin: Option<AddrSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UrlSection {
+    url: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddrSection {
+    addr: Option<String>,
+}
+
+/// Flag values (highest precedence); `None` = not given.
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub redis_url: Option<String>,
+    pub pg_url: Option<String>,
+    pub nats_url: Option<String>,
+    pub http_addr: Option<String>,
+    pub admin_addr: Option<String>,
+}
+
+/// Where the environment comes from: the process environment in `main`, a map in tests.
+pub type Env = BTreeMap<String, String>;
+
+pub fn process_env() -> Env {
+    std::env::vars().filter(|(k, _)| k.starts_with("FLASHSALE_")).collect()
+}
+
+impl Config {
+    /// TOML (explicit path, else `flashsale.toml` if present) < env < flags. URL defaults
+    /// come from the stack's env file (`var/stack/env`) when a stack was started here.
+    pub fn load(
+        config_path: Option<&Path>,
+        env: &Env,
+        flags: &Overrides,
+        stack_dir: &Path,
+    ) -> Result<Config, ConfigError> {
+        let file = match config_path {
+            Some(path) => read_file(path)?,
+            None if Path::new(DEFAULT_CONFIG_FILE).is_file() => {
+                read_file(Path::new(DEFAULT_CONFIG_FILE))?
+            }
+            None => FileConfig::default(),
+        };
+        let stack = StackEnv::read(stack_dir);
+        let pick = |flag: &Option<String>, var: &str, file: Option<String>, default: String| {
+            flag.clone().or_else(|| env.get(var).cloned()).or(file).unwrap_or(default)
+        };
+        let redis_url = pick(
+            &flags.redis_url,
+            "FLASHSALE_REDIS_URL",
+            file.redis.and_then(|s| s.url),
+            stack.as_ref().map_or("redis://127.0.0.1:6379".into(), |s| s.redis_url.clone()),
+        );
+        let pg_url = pick(
+            &flags.pg_url,
+            "FLASHSALE_PG_URL",
+            file.pg.and_then(|s| s.url),
+            stack
+                .as_ref()
+                .map_or("postgres://postgres@127.0.0.1:5432/postgres".into(), |s| s.pg_url.clone()),
+        );
+        let nats_url = pick(
+            &flags.nats_url,
+            "FLASHSALE_NATS_URL",
+            file.nats.and_then(|s| s.url),
+            stack.as_ref().map_or("nats://127.0.0.1:4222".into(), |s| s.nats_url.clone()),
+        );
+        let http_addr = pick(
+            &flags.http_addr,
+            "FLASHSALE_HTTP_ADDR",
+            file.http.and_then(|s| s.addr),
+            "0.0.0.0:8080".into(),
+        );
+        let admin_addr = pick(
+            &flags.admin_addr,
+            "FLASHSALE_ADMIN_ADDR",
+            file.admin.and_then(|s| s.addr),
+            "127.0.0.1:9090".into(),
+        );
+        let config = Config {
+            redis_url: check_scheme("FLASHSALE_REDIS_URL", redis_url, &["redis://"])?,
+            pg_url: check_scheme("FLASHSALE_PG_URL", pg_url, &["postgres://", "postgresql://"])?,
+            nats_url: check_scheme("FLASHSALE_NATS_URL", nats_url, &["nats://"])?,
+            http_addr: parse_addr("FLASHSALE_HTTP_ADDR", &http_addr)?,
+            admin_addr: parse_addr("FLASHSALE_ADMIN_ADDR", &admin_addr)?,
+        };
+        Ok(config)
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    toml::from_str(&text)
+        .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
+}
+
+fn check_scheme(
+    name: &'static str,
+    value: String,
+    schemes: &[&str],
+) -> Result<String, ConfigError> {
+    // Comma-separated seeds (cluster) are allowed; each must carry the scheme.
+    let ok = value.split(',').all(|part| schemes.iter().any(|s| part.trim().starts_with(s)));
+    if ok && !value.trim().is_empty() {
+        Ok(value)
+    } else {
+        Err(ConfigError::Invalid {
+            name,
+            message: format!("{value:?} must start with {}", schemes.join(" or ")),
+        })
+    }
+}
+
+fn parse_addr(name: &'static str, value: &str) -> Result<SocketAddr, ConfigError> {
+    value.parse().map_err(|e| ConfigError::Invalid {
+        name,
+        message: format!("{value:?} is not host:port ({e})"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Env {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn precedence_is_file_then_env_then_flags() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        std::fs::write(
+            &path,
+            "[redis]\nurl = \"redis://file:1\"\n[pg]\nurl = \"postgres://file/db\"\n",
+        )
+        .expect("write");
+        let e = env(&[("FLASHSALE_PG_URL", "postgres://env/db")]);
+        let flags = Overrides { redis_url: Some("redis://flag:3".into()), ..Default::default() };
+        let c = Config::load(Some(&path), &e, &flags, dir.path()).expect("config");
+        assert_eq!(c.redis_url, "redis://flag:3");
+        assert_eq!(c.pg_url, "postgres://env/db");
+        assert_eq!(c.nats_url, "nats://127.0.0.1:4222");
+    }
+
+    #[test]
+    fn stack_env_file_supplies_defaults() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let stack = StackEnv {
+            redis_url: "redis://127.0.0.1:1111".into(),
+            pg_url: "postgres://postgres@127.0.0.1:2222/postgres".into(),
+            nats_url: "nats://127.0.0.1:3333".into(),
+        };
+        std::fs::write(dir.path().join("env"), stack.render()).expect("write");
+        let c = Config::load(None, &Env::new(), &Overrides::default(), dir.path()).expect("config");
+        assert_eq!(c.redis_url, stack.redis_url);
+        assert_eq!(c.pg_url, stack.pg_url);
+        assert_eq!(c.nats_url, stack.nats_url);
+    }
+
+    #[test]
+    fn bad_values_are_clear_errors() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let e = env(&[("FLASHSALE_REDIS_URL", "http://x")]);
+        let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_REDIS_URL"), "{err}");
+        let e = env(&[("FLASHSALE_HTTP_ADDR", "nonsense")]);
+        let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_HTTP_ADDR"), "{err}");
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, "[redis]\nurll = \"x\"\n").expect("write");
+        let err =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+}

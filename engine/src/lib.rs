@@ -1,0 +1,10 @@
+//! flashsale-engine: the edge (glommio shards, HTTP, partitions, admission — arriving with
+//! the edge issue) and the operational commands of the `flashsale` binary.
+//!
+//! - [`config`]: TOML < env < flags, validated once in `main`.
+//! - [`stack`]: `flashsale stack up | down`, the private servers also used by the tests.
+//!
+//! Read `ARCHITECTURE.md` at the repository root for the map of the whole workspace.
+
+pub mod config;
+pub mod stack;

@@ -1,0 +1,118 @@
+//! `flashsale stack up | down` and `migrate` through the real binary: private servers on free ports,
+//! idempotent `up`, `down` stops only what it started, a missing binary is a clear error.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::Command;
+
+use flashsale_engine::stack::{Kind, StackEnv};
+
+fn flashsale() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_flashsale"))
+}
+
+fn pid_of(dir: &Path, kind: Kind) -> u32 {
+    std::fs::read_to_string(dir.join(kind.name()).join("pid"))
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid")
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'))
+}
+
+#[test]
+fn up_is_idempotent_and_down_stops_only_its_own() {
+    // Under /tmp so the `postgres` user can traverse to the data directory.
+    let root = tempfile::Builder::new().prefix("flashsale-stack-test-").tempdir().expect("tmp");
+    let dir = root.path().join("stack");
+
+    // A "foreign" listener that stack up must not disturb.
+    let foreign = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let foreign_port = foreign.local_addr().expect("addr").port();
+
+    let out = flashsale().args(["stack", "up", "--dir"]).arg(&dir).output().expect("run up");
+    assert!(out.status.success(), "stack up failed: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let env = StackEnv::read(&dir).expect("DIR/env written");
+    assert!(stdout.contains(&format!("export FLASHSALE_REDIS_URL={}", env.redis_url)), "{stdout}");
+    assert!(env.pg_url.starts_with("postgres://postgres@127.0.0.1:"), "{}", env.pg_url);
+    assert!(env.nats_url.starts_with("nats://127.0.0.1:"), "{}", env.nats_url);
+    for url in [&env.redis_url, &env.pg_url, &env.nats_url] {
+        assert!(!url.contains(&format!(":{foreign_port}")), "took a busy port: {url}");
+        assert!(!url.contains(":6379") && !url.contains(":5432") && !url.contains(":4222"));
+    }
+    let pids: Vec<u32> = Kind::ALL.iter().map(|k| pid_of(&dir, *k)).collect();
+    assert!(pids.iter().all(|p| alive(*p)), "servers not running: {pids:?}");
+
+    // Second up reuses the running servers: same pids, same URLs.
+    let out = flashsale().args(["stack", "up", "--dir"]).arg(&dir).output().expect("run up");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let again: Vec<u32> = Kind::ALL.iter().map(|k| pid_of(&dir, *k)).collect();
+    assert_eq!(pids, again, "second up must reuse the running stack");
+    let env2 = StackEnv::read(&dir).expect("env");
+    assert_eq!(env.redis_url, env2.redis_url);
+    assert_eq!(env.pg_url, env2.pg_url);
+
+    // Migrations run against the stack's PostgreSQL.
+    let out = flashsale()
+        .args(["migrate", "--stack-dir"])
+        .arg(&dir)
+        .env_remove("FLASHSALE_PG_URL")
+        .output()
+        .expect("run migrate");
+    assert!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+
+    let out = flashsale().args(["stack", "down", "--dir"]).arg(&dir).output().expect("run down");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for pid in &pids {
+        assert!(!alive(*pid), "pid {pid} still running after down");
+    }
+    // The foreign listener is untouched and data is kept without --purge.
+    assert!(foreign.local_addr().is_ok());
+    assert!(dir.join("postgres").join("data").join("PG_VERSION").is_file());
+
+    // A stale pid file pointing at an unrelated live process (ours) is never signalled.
+    std::fs::write(dir.join("redis").join("pid"), std::process::id().to_string()).expect("w");
+    let out = flashsale().args(["stack", "down", "--dir"]).arg(&dir).output().expect("down");
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stopped nothing"));
+
+    let out = flashsale()
+        .args(["stack", "down", "--purge", "--dir"])
+        .arg(&dir)
+        .output()
+        .expect("down --purge");
+    assert!(out.status.success());
+    assert!(!dir.exists(), "--purge must remove the data directory");
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let out = flashsale().args(["stack", "sideways"]).output().expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    let out = flashsale().args(["--help"]).output().expect("run");
+    assert_eq!(out.status.code(), Some(0));
+}
+
+#[test]
+fn missing_server_binary_names_the_package() {
+    let root = tempfile::tempdir().expect("tmp");
+    let out = flashsale()
+        .args(["stack", "up", "--dir"])
+        .arg(root.path().join("s"))
+        // redis-server lives in /usr/bin: only reachable through PATH.
+        .env("PATH", "/nonexistent")
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("apt-get install -y redis-server"), "{stderr}");
+}
