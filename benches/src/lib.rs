@@ -1,0 +1,72 @@
+//! Helpers shared by the benches: a private `redis-server` on a free loopback port.
+//!
+//! `flashsale-tests` (the integration-test support) is deliberately not a dependency of the
+//! benches, so this is a minimal launcher of its own: one process, no persistence, killed
+//! (and reaped) on drop. It never touches the machine's shared server on 6379.
+//!
+//! Not here: the load generator (later), the benches themselves (`benches/benches/`).
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A redis-server started for one bench run; killed when dropped.
+pub struct BenchRedis {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl BenchRedis {
+    /// Starts `redis-server --port <free> --save '' --appendonly no` on 127.0.0.1 and waits
+    /// (at most 5 s) until it accepts connections.
+    ///
+    /// # Panics
+    /// If redis-server is missing or does not come up: a bench cannot run without it.
+    pub fn start() -> BenchRedis {
+        let port = free_port();
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let dir = std::env::temp_dir();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "yes"])
+            .arg("--dir")
+            .arg(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn redis-server: {e}"));
+        let mut redis = BenchRedis { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while TcpStream::connect(addr).is_err() {
+            if Instant::now() > deadline {
+                redis.stop();
+                panic!("redis-server on {addr} did not accept connections within 5 s");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        redis
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for BenchRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A port that was free a moment ago (the usual bind-to-0 trick; the short race is fine for
+/// a bench on a quiet machine).
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    listener.local_addr().expect("local_addr").port()
+}

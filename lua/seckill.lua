@@ -1,0 +1,512 @@
+#!lua name=seckill
+--
+-- The `seckill` Redis Functions library: fast pre-reservation, request idempotency, the
+-- one-per-user pre-check and the reservation records of one SKU (CONTRACT.md section 5,
+-- DESIGN.md sections 4 and 6).
+--
+-- What it is not: the truth. PostgreSQL decides whether an order exists; everything written
+-- here may be lost on failover and is repaired from PostgreSQL's outbox events. Rust binding
+-- and reply parsing: io/src/redis/script.rs. Branch-by-branch tests: tests/tests/lua_functions.rs.
+--
+-- Conventions shared by every function:
+-- * All keys of one SKU share the prefix `seckill:{A:S}:` (A = activity id, S = sku id; the
+--   braces are a literal Redis Cluster hash tag, so every key of a SKU lives in one slot).
+--   Every function checks that each KEY is exactly the key its contract names, built from that
+--   prefix: a binding bug fails with an error instead of writing a stranger's key.
+-- * Time is an argument (`now_ms`, integer milliseconds). No function reads the clock, so each
+--   is deterministic and replays identically on replicas and in tests.
+-- * Numbers in ARGV are non-negative decimal integers of at most 15 digits (a Lua number holds
+--   them exactly, and sums of two stay below 2^53). Numbers are written back with '%d' because
+--   Lua's tostring ('%.14g') would turn 15-digit values into exponent notation.
+-- * Bad input is rejected with `-ERR seckill: bad <arg>` BEFORE any write: Redis does not roll
+--   back a function that fails half way, so validation always comes first.
+-- * Ids (request, reservation, message, order) are 1..128 bytes.
+-- * Replies are arrays of fixed shape per function so the binding parses one shape each.
+
+local ID_LEN_MAX = 128
+local CLAIM_BATCH_MAX = 512
+-- 2^52 * any positive base exceeds every representable backoff_max_ms (< 10^15), so capping the
+-- exponent here only avoids computing infinities, it never changes a result.
+local BACKOFF_EXPONENT_MAX = 52
+
+local FINAL = { ORDER_CREATED = true, FAILED = true, COMPENSATED = true }
+local CLAIMABLE = { PENDING_MESSAGE = true, MESSAGE_SENT = true }
+local ACTIVITY_STATUS = { PENDING = true, ACTIVE = true, ENDED = true, TERMINATED = true }
+
+local function bad(what)
+  return redis.error_reply('ERR seckill: bad ' .. what)
+end
+
+-- A non-negative integer of 1..15 decimal digits, or nil.
+local function uint(s)
+  if type(s) ~= 'string' or #s == 0 or #s > 15 or not string.find(s, '^%d+$') then
+    return nil
+  end
+  return tonumber(s)
+end
+
+local function flag(s)
+  if s == '0' then return false end
+  if s == '1' then return true end
+  return nil
+end
+
+local function id_ok(s)
+  return type(s) == 'string' and #s > 0 and #s <= ID_LEN_MAX
+end
+
+local function fmt(n)
+  return string.format('%d', n)
+end
+
+-- The `seckill:{A:S}:` prefix of `key` when `key` is that prefix followed by `suffix`, else nil.
+local function prefix_of(key, suffix)
+  if #key <= #suffix or string.sub(key, -#suffix) ~= suffix then return nil end
+  local prefix = string.sub(key, 1, #key - #suffix)
+  if not string.find(prefix, '^seckill:{[^{}]+}:$') then return nil end
+  return prefix
+end
+
+local function starts_with(s, head)
+  return string.sub(s, 1, #head) == head
+end
+
+-- ---------------------------------------------------------------------------------------------
+-- reserve: one atomic pre-reservation attempt (DESIGN.md section 4).
+--
+-- KEYS: 1 meta, 2 stock, 3 user:<user_id>, 4 req:<request_id>, 5 resv:<reservation_id>,
+--       6 resv:pending, 7 soldout                      (all `seckill:{A:S}:`-prefixed)
+-- ARGV: 1 request_id, 2 user_id, 3 payload_hash, 4 reservation_id, 5 message_id, 6 now_ms,
+--       7 pending_grace_ms
+-- Reply: always the flat array
+--   [code, reservation_id, message_id, state, order_id, reason_code, stock_after]
+--   with "" for absent strings; stock_after is an integer: stock left after this call for
+--   CREATED, 0 for SOLD_OUT, -1 when stock was not read. code is one of
+--     CREATED              ids of the new reservation, state QUEUED_PENDING
+--     IDEMPOTENT           same request_id and payload_hash seen before: its stored ids, state,
+--                          order_id and reason_code (nothing written)
+--     IDEMPOTENCY_CONFLICT same request_id, different payload_hash (nothing written)
+--     ACTIVITY_INVALID     reason_code = UNKNOWN (no meta) | NOT_STARTED | ENDED | <meta.status>
+--     DUPLICATE_USER       reservation_id = the reservation this user already holds
+--     SOLD_OUT             stock missing or <= 0 (sets soldout)
+-- Order of checks is the contract: idempotency first (a replay is answered even after the
+-- activity ended or sold out), then activity, user, stock.
+-- Invariants: stock never goes below 0 (DECR only after reading stock > 0, atomically); one
+-- user key per user per SKU; only creating requests are recorded, so the number of req/resv
+-- records is bounded by the initial stock; every CREATED reservation is in resv:pending.
+-- Complexity: O(1).
+-- ---------------------------------------------------------------------------------------------
+local function reserve(keys, args)
+  if #keys ~= 7 or #args ~= 7 then return bad('arity') end
+  local request_id, user_id, payload_hash = args[1], args[2], args[3]
+  local reservation_id, message_id = args[4], args[5]
+  local now_ms, grace_ms = uint(args[6]), uint(args[7])
+  if not id_ok(request_id) then return bad('request_id') end
+  if not uint(user_id) then return bad('user_id') end
+  if not id_ok(payload_hash) then return bad('payload_hash') end
+  if not id_ok(reservation_id) then return bad('reservation_id') end
+  if not id_ok(message_id) then return bad('message_id') end
+  if not now_ms then return bad('now_ms') end
+  if not grace_ms then return bad('pending_grace_ms') end
+  local p = prefix_of(keys[1], 'meta')
+  if not p or keys[2] ~= p .. 'stock' or keys[3] ~= p .. 'user:' .. user_id
+      or keys[4] ~= p .. 'req:' .. request_id or keys[5] ~= p .. 'resv:' .. reservation_id
+      or keys[6] ~= p .. 'resv:pending' or keys[7] ~= p .. 'soldout' then
+    return bad('keys')
+  end
+
+  -- 1. Idempotency.
+  local req = redis.call('HMGET', keys[4], 'payload_hash', 'reservation_id', 'message_id',
+    'state', 'order_id', 'reason_code')
+  if req[1] then
+    if req[1] == payload_hash then
+      return { 'IDEMPOTENT', req[2] or '', req[3] or '', req[4] or '', req[5] or '',
+        req[6] or '', -1 }
+    end
+    return { 'IDEMPOTENCY_CONFLICT', '', '', '', '', '', -1 }
+  end
+
+  -- 2. Activity status and window.
+  local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms', 'reservation_ttl_ms')
+  if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1 } end
+  if meta[1] ~= 'ACTIVE' then return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1 } end
+  local start_ms, end_ms, ttl_ms = uint(meta[2]), uint(meta[3]), uint(meta[4])
+  -- Corrupt meta is a preheat bug, not a buyer's problem: refuse loudly, write nothing.
+  if not (start_ms and end_ms and ttl_ms) then return bad('meta') end
+  if now_ms < start_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1 } end
+  if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1 } end
+
+  -- 3. One reservation per user.
+  local held = redis.call('GET', keys[3])
+  if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1 } end
+
+  -- 4. Stock.
+  local stock = tonumber(redis.call('GET', keys[2]))
+  if not stock or stock <= 0 then
+    -- Checked first so the sold-out path (the common one once sold out) writes nothing to
+    -- replicate or append.
+    if redis.call('EXISTS', keys[7]) == 0 then redis.call('SET', keys[7], '1') end
+    return { 'SOLD_OUT', '', '', '', '', '', 0 }
+  end
+
+  -- 5. Create.
+  local stock_after = redis.call('DECR', keys[2])
+  local next_retry_at = fmt(now_ms + grace_ms)
+  redis.call('SET', keys[3], reservation_id)
+  redis.call('HSET', keys[4], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
+    'message_id', message_id, 'state', 'QUEUED_PENDING', 'order_id', '', 'reason_code', '',
+    'user_id', user_id)
+  redis.call('HSET', keys[5], 'reservation_id', reservation_id, 'message_id', message_id,
+    'request_id', request_id, 'user_id', user_id, 'status', 'PENDING_MESSAGE',
+    'payload_hash', payload_hash, 'reserved_at', args[6], 'expires_at', fmt(now_ms + ttl_ms),
+    'send_attempts', '0', 'next_retry_at', next_retry_at, 'last_error_code', '')
+  redis.call('ZADD', keys[6], next_retry_at, reservation_id)
+  if stock_after <= 0 then redis.call('SET', keys[7], '1') end
+  return { 'CREATED', reservation_id, message_id, 'QUEUED_PENDING', '', '', stock_after }
+end
+
+-- ---------------------------------------------------------------------------------------------
+-- mark_sent: the order-create message of a reservation was acknowledged by the log.
+--
+-- KEYS: 1 resv:<reservation_id>, 2 resv:pending, 3 req:<request_id>
+-- ARGV: 1 reservation_id, 2 now_ms, 3 order_deadline_ms
+-- Reply: bulk string
+--   OK           status PENDING_MESSAGE -> MESSAGE_SENT; req.state QUEUED_PENDING -> QUEUED
+--                (only if req belongs to this reservation);
+--                the pending entry (if still a member) re-scored to now + order_deadline_ms,
+--                and resv.next_retry_at set to the same value
+--   NOT_FOUND    no such reservation (nothing changed)
+--   NOT_PENDING  already MESSAGE_SENT or final (nothing changed)
+-- Invariants: the reservation stays in resv:pending (it leaves only when its final outcome
+-- arrives, apply_result / compensate), so a message lost after the ack is still republished;
+-- a final state is never overwritten; a pending entry removed meanwhile is not re-added.
+-- Complexity: O(1) (O(log n) in the ZSET).
+-- ---------------------------------------------------------------------------------------------
+local function mark_sent(keys, args)
+  if #keys ~= 3 or #args ~= 3 then return bad('arity') end
+  local reservation_id, now_ms, deadline_ms = args[1], uint(args[2]), uint(args[3])
+  if not id_ok(reservation_id) then return bad('reservation_id') end
+  if not now_ms then return bad('now_ms') end
+  if not deadline_ms then return bad('order_deadline_ms') end
+  local p = prefix_of(keys[2], 'resv:pending')
+  if not p or keys[1] ~= p .. 'resv:' .. reservation_id
+      or not starts_with(keys[3], p .. 'req:') then
+    return bad('keys')
+  end
+
+  local status = redis.call('HGET', keys[1], 'status')
+  if not status then return 'NOT_FOUND' end
+  if status ~= 'PENDING_MESSAGE' then return 'NOT_PENDING' end
+  redis.call('HSET', keys[1], 'status', 'MESSAGE_SENT')
+  if redis.call('ZSCORE', keys[2], reservation_id) then
+    local next_retry_at = fmt(now_ms + deadline_ms)
+    redis.call('ZADD', keys[2], 'XX', next_retry_at, reservation_id)
+    redis.call('HSET', keys[1], 'next_retry_at', next_retry_at)
+  end
+  local req = redis.call('HMGET', keys[3], 'reservation_id', 'state')
+  if req[1] == reservation_id and req[2] == 'QUEUED_PENDING' then
+    redis.call('HSET', keys[3], 'state', 'QUEUED')
+  end
+  return 'OK'
+end
+
+-- ---------------------------------------------------------------------------------------------
+-- claim_due: the republish scanner's atomic claim of due reservations (DESIGN.md section 6).
+--
+-- KEYS: 1 resv:pending, 2 resv:stuck (ZSET: reservation_id scored by the ms it got stuck)
+-- ARGV: 1 key_prefix (`seckill:{A:S}:`, must be the prefix of both KEYS), 2 now_ms,
+--       3 batch_max (1..512), 4 backoff_base_ms, 5 backoff_max_ms, 6 recovery_deadline_ms
+-- Undeclared keys: the `resv:<id>` hashes of the claimed members are only known after reading
+-- the ZSET, so they cannot be declared up front. They are built from key_prefix, which is
+-- checked to be the prefix of the declared keys: same hash tag, same slot, so this is safe in
+-- Redis Cluster and touches only this SKU's keys.
+-- For each of the first batch_max members of resv:pending with score <= now_ms (oldest first):
+--   resv hash missing or final (ORDER_CREATED / FAILED / COMPENSATED)
+--       -> ZREM from pending; not reported (cleanup of an outcome that already arrived)
+--   a record that cannot be republished (status not PENDING_MESSAGE / MESSAGE_SENT, or
+--   message_id, request_id, user_id, payload_hash, reserved_at or expires_at missing or
+--   malformed)
+--       -> moved to stuck as below with last_error_code = INVALID_RECORD (so one corrupt
+--          record cannot poison every later claim)
+--   now_ms - reserved_at > recovery_deadline_ms
+--       -> ZADD stuck now_ms id, ZREM pending, resv.last_error_code = RECOVERY_DEADLINE;
+--          reported in the stuck list (never silently dropped)
+--   else send_attempts += 1,
+--        next_retry_at = now_ms + min(backoff_max_ms, backoff_base_ms * 2^(send_attempts - 1)),
+--        written to resv and as the pending score; reported as claimed.
+-- Reply: [claimed_count, stuck_count,
+--         then per claimed entry 9 bulk strings: reservation_id, message_id, request_id,
+--           user_id, payload_hash, reserved_at, expires_at, send_attempts (after the bump),
+--           status (PENDING_MESSAGE | MESSAGE_SENT),
+--         then stuck_count reservation ids]
+--   i.e. length 2 + 9 * claimed_count + stuck_count; counts are integers.
+-- Invariants: a claimed entry stays in pending with a later score, so a scanner that dies
+-- after claiming loses nothing; nothing leaves pending without either a final status or a
+-- stuck record; stock, users and requests are never touched.
+-- Complexity: O(batch_max * log n).
+-- ---------------------------------------------------------------------------------------------
+local function claim_due(keys, args)
+  if #keys ~= 2 or #args ~= 6 then return bad('arity') end
+  local prefix, now_ms, batch_max = args[1], uint(args[2]), uint(args[3])
+  local base_ms, max_ms, recovery_ms = uint(args[4]), uint(args[5]), uint(args[6])
+  if type(prefix) ~= 'string' or not string.find(prefix, '^seckill:{[^{}]+}:$')
+      or keys[1] ~= prefix .. 'resv:pending' or keys[2] ~= prefix .. 'resv:stuck' then
+    return bad('key_prefix')
+  end
+  if not now_ms then return bad('now_ms') end
+  if not batch_max or batch_max < 1 or batch_max > CLAIM_BATCH_MAX then return bad('batch_max') end
+  if not base_ms or base_ms < 1 then return bad('backoff_base_ms') end
+  if not max_ms or max_ms < base_ms then return bad('backoff_max_ms') end
+  if not recovery_ms then return bad('recovery_deadline_ms') end
+
+  local due = redis.call('ZRANGEBYSCORE', keys[1], '-inf', args[2], 'LIMIT', 0, batch_max)
+  local claimed, stuck = {}, {}
+  for i = 1, #due do
+    local id = due[i]
+    local rkey = prefix .. 'resv:' .. id
+    local r = redis.call('HMGET', rkey, 'status', 'reserved_at', 'message_id', 'request_id',
+      'user_id', 'payload_hash', 'expires_at', 'send_attempts')
+    local status = r[1]
+    if not status or FINAL[status] then
+      redis.call('ZREM', keys[1], id)
+    else
+      local reserved_at = uint(r[2])
+      local valid = CLAIMABLE[status] and reserved_at and id_ok(r[3]) and id_ok(r[4])
+        and uint(r[5]) and id_ok(r[6]) and uint(r[7])
+      local stuck_code = nil
+      if not valid then
+        stuck_code = 'INVALID_RECORD'
+      elseif now_ms - reserved_at > recovery_ms then
+        stuck_code = 'RECOVERY_DEADLINE'
+      end
+      if stuck_code then
+        redis.call('ZADD', keys[2], args[2], id)
+        redis.call('ZREM', keys[1], id)
+        redis.call('HSET', rkey, 'last_error_code', stuck_code)
+        stuck[#stuck + 1] = id
+      else
+        local attempts = (uint(r[8]) or 0) + 1
+        local exponent = math.min(attempts - 1, BACKOFF_EXPONENT_MAX)
+        local delay_ms = math.min(max_ms, base_ms * 2 ^ exponent)
+        local next_retry_at = fmt(now_ms + delay_ms)
+        redis.call('HSET', rkey, 'send_attempts', fmt(attempts), 'next_retry_at', next_retry_at)
+        redis.call('ZADD', keys[1], next_retry_at, id)
+        local n = #claimed
+        claimed[n + 1] = id
+        claimed[n + 2] = r[3]
+        claimed[n + 3] = r[4]
+        claimed[n + 4] = r[5]
+        claimed[n + 5] = r[6]
+        claimed[n + 6] = r[2]
+        claimed[n + 7] = r[7]
+        claimed[n + 8] = fmt(attempts)
+        claimed[n + 9] = status
+      end
+    end
+  end
+
+  local reply = { #claimed / 9, #stuck }
+  for i = 1, #claimed do reply[#reply + 1] = claimed[i] end
+  for i = 1, #stuck do reply[#reply + 1] = stuck[i] end
+  return reply
+end
+
+-- ---------------------------------------------------------------------------------------------
+-- apply_result: write a reservation's final outcome (from PostgreSQL, via redis-sync) back.
+--
+-- KEYS: 1 req:<request_id>, 2 resv:<reservation_id>, 3 resv:pending
+-- ARGV: 1 reservation_id, 2 outcome (ORDER_CREATED | FAILED), 3 order_id (required for
+--       ORDER_CREATED, "" for FAILED), 4 reason_code (required for FAILED, "" for
+--       ORDER_CREATED), 5 now_ms, 6 request_id, 7 payload_hash, 8 message_id, 9 user_id
+--       (6..9 are used only to recreate a req hash Redis lost, so idempotent replays of the
+--       request keep working)
+-- The current final outcome is resv.status when final, else (resv lost) the one req.state
+-- records (SUCCEEDED -> ORDER_CREATED, FAILED -> FAILED), else none.
+-- Reply: bulk string
+--   APPLIED   no final outcome yet: req.state = SUCCEEDED + order_id (or FAILED + reason_code),
+--             req recreated from ARGV if missing; resv (if present) status = outcome, order_id,
+--             last_error_code = reason_code, finished_at = now_ms; ZREM pending
+--   ALREADY   the same outcome is already recorded (ORDER_CREATED with the same order_id;
+--             FAILED over FAILED or COMPENSATED; ORDER_CREATED with the same order_id over
+--             COMPENSATED, i.e. an order later cancelled). Nothing changed.
+--   CONFLICT  a different final outcome is recorded (e.g. FAILED over ORDER_CREATED, another
+--             order_id), or req belongs to another reservation. Nothing changed.
+-- Invariants: a final outcome is never overwritten by a different one; the reservation
+-- leaves resv:pending exactly when its final outcome is recorded; stock and user keys are
+-- not touched (compensate does that, once).
+-- Complexity: O(1).
+-- ---------------------------------------------------------------------------------------------
+local function apply_result(keys, args)
+  if #keys ~= 3 or #args ~= 9 then return bad('arity') end
+  local reservation_id, outcome, order_id, reason_code = args[1], args[2], args[3], args[4]
+  local now_ms, request_id, payload_hash, message_id = uint(args[5]), args[6], args[7], args[8]
+  local user_id = args[9]
+  if not id_ok(reservation_id) then return bad('reservation_id') end
+  if outcome == 'ORDER_CREATED' then
+    if not id_ok(order_id) or reason_code ~= '' then return bad('order_id') end
+  elseif outcome == 'FAILED' then
+    if not id_ok(reason_code) or order_id ~= '' then return bad('reason_code') end
+  else
+    return bad('outcome')
+  end
+  if not now_ms then return bad('now_ms') end
+  if not id_ok(request_id) then return bad('request_id') end
+  if not id_ok(payload_hash) then return bad('payload_hash') end
+  if not id_ok(message_id) then return bad('message_id') end
+  if not uint(user_id) then return bad('user_id') end
+  local p = prefix_of(keys[3], 'resv:pending')
+  if not p or keys[1] ~= p .. 'req:' .. request_id or keys[2] ~= p .. 'resv:' .. reservation_id then
+    return bad('keys')
+  end
+
+  local req = redis.call('HMGET', keys[1], 'reservation_id', 'state', 'order_id')
+  if req[1] and req[1] ~= reservation_id then return 'CONFLICT' end
+  local resv = redis.call('HMGET', keys[2], 'status', 'order_id')
+  local current, current_order = nil, nil
+  if resv[1] and FINAL[resv[1]] then
+    current, current_order = resv[1], resv[2] or ''
+  elseif req[2] == 'SUCCEEDED' then
+    current, current_order = 'ORDER_CREATED', req[3] or ''
+  elseif req[2] == 'FAILED' then
+    current = 'FAILED'
+  end
+  if current == 'ORDER_CREATED' then
+    if outcome == 'ORDER_CREATED' and order_id == current_order then return 'ALREADY' end
+    return 'CONFLICT'
+  elseif current == 'FAILED' then
+    if outcome == 'FAILED' then return 'ALREADY' end
+    return 'CONFLICT'
+  elseif current == 'COMPENSATED' then
+    if outcome == 'FAILED' or order_id == current_order then return 'ALREADY' end
+    return 'CONFLICT'
+  end
+
+  local state = 'SUCCEEDED'
+  if outcome == 'FAILED' then state = 'FAILED' end
+  if req[1] then
+    redis.call('HSET', keys[1], 'state', state, 'order_id', order_id, 'reason_code', reason_code)
+  else
+    redis.call('HSET', keys[1], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
+      'message_id', message_id, 'state', state, 'order_id', order_id,
+      'reason_code', reason_code, 'user_id', user_id)
+  end
+  if resv[1] then
+    redis.call('HSET', keys[2], 'status', outcome, 'order_id', order_id,
+      'last_error_code', reason_code, 'finished_at', args[5])
+  end
+  redis.call('ZREM', keys[3], reservation_id)
+  return 'APPLIED'
+end
+
+-- ---------------------------------------------------------------------------------------------
+-- compensate: undo a reservation's Redis effects, once (DESIGN.md section 6, redis-sync).
+--
+-- KEYS: 1 comp:<reservation_id>, 2 stock, 3 user:<user_id>, 4 resv:<reservation_id>,
+--       5 req:<request_id>, 6 resv:pending, 7 soldout
+-- ARGV: 1 reservation_id, 2 return_stock (0|1), 3 release_user (0|1), 4 reason_code, 5 now_ms
+-- Reply: [code, stock] where stock is the integer stock after the call (0 if the key is missing)
+--   ALREADY_APPLIED  comp marker exists: this reservation was compensated before; no effect
+--   APPLIED          SET comp (value = reason_code, no expiry: an expiring marker would allow
+--                    a second return); return_stock=1 -> INCR stock, DEL soldout;
+--                    release_user=1 -> DEL user key only if it still holds THIS reservation_id
+--                    (the user may hold a newer reservation); resv (if present) status =
+--                    COMPENSATED, last_error_code = reason_code, finished_at = now_ms;
+--                    req (if present and it belongs to this reservation) state = FAILED,
+--                    reason_code; ZREM pending
+-- Invariants: stock is returned at most once per reservation (the comp marker is written in
+-- the same atomic step); stock only grows here; a user key of another reservation is never
+-- deleted; req/resv hashes are never fabricated (a half hash would break replays).
+-- Complexity: O(1).
+-- ---------------------------------------------------------------------------------------------
+local function compensate(keys, args)
+  if #keys ~= 7 or #args ~= 5 then return bad('arity') end
+  local reservation_id, reason_code = args[1], args[4]
+  local return_stock, release_user, now_ms = flag(args[2]), flag(args[3]), uint(args[5])
+  if not id_ok(reservation_id) then return bad('reservation_id') end
+  if return_stock == nil then return bad('return_stock') end
+  if release_user == nil then return bad('release_user') end
+  if not id_ok(reason_code) then return bad('reason_code') end
+  if not now_ms then return bad('now_ms') end
+  local p = prefix_of(keys[2], 'stock')
+  if not p or keys[1] ~= p .. 'comp:' .. reservation_id or not starts_with(keys[3], p .. 'user:')
+      or keys[4] ~= p .. 'resv:' .. reservation_id or not starts_with(keys[5], p .. 'req:')
+      or keys[6] ~= p .. 'resv:pending' or keys[7] ~= p .. 'soldout' then
+    return bad('keys')
+  end
+
+  if redis.call('EXISTS', keys[1]) == 1 then
+    return { 'ALREADY_APPLIED', tonumber(redis.call('GET', keys[2])) or 0 }
+  end
+  redis.call('SET', keys[1], reason_code)
+  local stock
+  if return_stock then
+    stock = redis.call('INCR', keys[2])
+    redis.call('DEL', keys[7])
+  else
+    stock = tonumber(redis.call('GET', keys[2])) or 0
+  end
+  if release_user and redis.call('GET', keys[3]) == reservation_id then
+    redis.call('DEL', keys[3])
+  end
+  if redis.call('EXISTS', keys[4]) == 1 then
+    redis.call('HSET', keys[4], 'status', 'COMPENSATED', 'last_error_code', reason_code,
+      'finished_at', args[5])
+  end
+  if redis.call('HGET', keys[5], 'reservation_id') == reservation_id then
+    redis.call('HSET', keys[5], 'state', 'FAILED', 'reason_code', reason_code)
+  end
+  redis.call('ZREM', keys[6], reservation_id)
+  return { 'APPLIED', stock }
+end
+
+-- ---------------------------------------------------------------------------------------------
+-- preheat: install or update a SKU's activity snapshot and its initial stock.
+--
+-- KEYS: 1 meta, 2 stock, 3 soldout
+-- ARGV: 1 status (PENDING | ACTIVE | ENDED | TERMINATED), 2 start_ms, 3 end_ms (> start_ms),
+--       4 version, 5 reservation_ttl_ms (>= 1), 6 stock
+-- Reply: [code, version] (integer)
+--   APPLIED  meta was missing or ARGV version > meta.version: meta = {status, start_ms, end_ms,
+--            version, reservation_ttl_ms}; stock SET only if absent (NX), and on that first set
+--            soldout is set iff stock <= 0 (and deleted otherwise); version = ARGV version
+--   STALE    meta.version >= ARGV version (an equal version is STALE too: callers compare
+--            current_version with their own to tell "already installed" from "newer exists");
+--            version = the current one; nothing changed
+-- Invariants: a newer snapshot never resets live stock (the stock key is written once, after
+-- that only reserve/compensate move it); versions only grow.
+-- Complexity: O(1).
+-- ---------------------------------------------------------------------------------------------
+local function preheat(keys, args)
+  if #keys ~= 3 or #args ~= 6 then return bad('arity') end
+  local status = args[1]
+  local start_ms, end_ms, version = uint(args[2]), uint(args[3]), uint(args[4])
+  local ttl_ms, stock = uint(args[5]), uint(args[6])
+  if not ACTIVITY_STATUS[status] then return bad('status') end
+  if not start_ms then return bad('start_ms') end
+  if not end_ms or end_ms <= start_ms then return bad('end_ms') end
+  if not version then return bad('version') end
+  if not ttl_ms or ttl_ms < 1 then return bad('reservation_ttl_ms') end
+  if not stock then return bad('stock') end
+  local p = prefix_of(keys[1], 'meta')
+  if not p or keys[2] ~= p .. 'stock' or keys[3] ~= p .. 'soldout' then return bad('keys') end
+
+  local current = uint(redis.call('HGET', keys[1], 'version'))
+  if current and version <= current then return { 'STALE', current } end
+  redis.call('HSET', keys[1], 'status', status, 'start_ms', args[2], 'end_ms', args[3],
+    'version', args[4], 'reservation_ttl_ms', args[5])
+  if redis.call('SET', keys[2], args[6], 'NX') then
+    if stock <= 0 then
+      redis.call('SET', keys[3], '1')
+    else
+      redis.call('DEL', keys[3])
+    end
+  end
+  return { 'APPLIED', version }
+end
+
+redis.register_function('reserve', reserve)
+redis.register_function('mark_sent', mark_sent)
+redis.register_function('claim_due', claim_due)
+redis.register_function('apply_result', apply_result)
+redis.register_function('compensate', compensate)
+redis.register_function('preheat', preheat)

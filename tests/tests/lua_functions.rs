@@ -1,0 +1,1012 @@
+//! The `seckill` Redis Functions library (`lua/seckill.lua`), branch by branch, against a real
+//! private redis-server, through its Rust binding (`flashsale_io::redis::script`).
+//!
+//! Each test starts its own Redis (so keys never leak between tests), calls the functions
+//! through [`Functions`], and then reads the raw keys back to check exactly what was written
+//! and what was not. Key names are spelled out here with `format!` rather than taken from
+//! [`SkuKeys`], so a binding that built the wrong names would fail these tests too.
+//!
+//! Not here: the 10,000-buyer concurrency test (`reserve_concurrency.rs`).
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+
+use flashsale_io::redis::script::{
+    load_library, ActivityInvalidReason, ActivityStatus, ApplyResultArgs, ApplyResultReply,
+    ClaimDueArgs, ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions,
+    MarkSentArgs, MarkSentReply, PendingStatus, PreheatArgs, PreheatReply, RequestState,
+    ReserveArgs, ReserveReply, ScriptError, SkuKeys,
+};
+use flashsale_io::redis::{RedisClient, RedisConfig};
+use flashsale_io::resp::Reply;
+
+const A: u64 = 10001;
+const S: u64 = 20001;
+const T0: u64 = 1_750_000_000_000;
+const WINDOW_MS: u64 = 3_600_000;
+const TTL_MS: u64 = 300_000;
+const GRACE_MS: u64 = 2_000;
+
+fn key(suffix: &str) -> String {
+    format!("seckill:{{{A}:{S}}}:{suffix}")
+}
+
+/// Runs `test` on a glommio executor against a fresh private Redis.
+fn with_redis<F, Fut>(test: F)
+where
+    F: FnOnce(Functions) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + 'static,
+{
+    let redis = flashsale_tests::redis();
+    let addr = redis.addr();
+    flashsale_tests::glommio(move || async move {
+        let client = connect(addr).await;
+        test(Functions::new(client)).await;
+    });
+    drop(redis);
+}
+
+async fn connect(addr: std::net::SocketAddr) -> RedisClient {
+    RedisClient::connect(RedisConfig::new(addr)).await.expect("connect to the private redis")
+}
+
+// ---- raw reads -------------------------------------------------------------------------------
+
+async fn cmd(f: &Functions, args: &[&str]) -> Reply {
+    let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+    f.client().command(&args).await.expect("redis command")
+}
+
+async fn get(f: &Functions, k: &str) -> Option<String> {
+    match cmd(f, &["GET", k]).await {
+        Reply::Nil => None,
+        r => Some(r.as_str().expect("GET string").to_owned()),
+    }
+}
+
+async fn exists(f: &Functions, k: &str) -> bool {
+    cmd(f, &["EXISTS", k]).await.as_int() == Some(1)
+}
+
+async fn hgetall(f: &Functions, k: &str) -> HashMap<String, String> {
+    let items = cmd(f, &["HGETALL", k]).await.into_array().expect("HGETALL array");
+    items
+        .chunks_exact(2)
+        .map(|kv| (kv[0].as_str().unwrap().to_owned(), kv[1].as_str().unwrap().to_owned()))
+        .collect()
+}
+
+async fn zscore(f: &Functions, k: &str, member: &str) -> Option<u64> {
+    match cmd(f, &["ZSCORE", k, member]).await {
+        Reply::Nil => None,
+        r => Some(r.as_str().unwrap().parse().unwrap()),
+    }
+}
+
+async fn zcard(f: &Functions, k: &str) -> i64 {
+    cmd(f, &["ZCARD", k]).await.as_int().unwrap()
+}
+
+async fn stock(f: &Functions) -> Option<i64> {
+    get(f, &key("stock")).await.map(|s| s.parse().unwrap())
+}
+
+fn map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+// ---- calls -----------------------------------------------------------------------------------
+
+fn keys() -> SkuKeys {
+    SkuKeys::new(A, S)
+}
+
+async fn preheat(f: &Functions, status: ActivityStatus, version: u64, stock: u64) -> PreheatReply {
+    let args = PreheatArgs {
+        status,
+        start_ms: T0,
+        end_ms: T0 + WINDOW_MS,
+        version,
+        reservation_ttl_ms: TTL_MS,
+        stock,
+    };
+    f.preheat(&keys(), &args).await.expect("preheat")
+}
+
+/// Ids derived from one number, so a test can say "request 3" and know every id.
+struct Ids {
+    request_id: String,
+    reservation_id: String,
+    message_id: String,
+}
+
+fn ids(n: u64) -> Ids {
+    Ids {
+        request_id: format!("req_{n}"),
+        reservation_id: format!("resv_{n}"),
+        message_id: format!("msg_{n}"),
+    }
+}
+
+async fn reserve_as(
+    f: &Functions,
+    ids: &Ids,
+    user_id: u64,
+    payload_hash: &str,
+    now_ms: u64,
+) -> ReserveReply {
+    let args = ReserveArgs {
+        request_id: &ids.request_id,
+        user_id,
+        payload_hash,
+        reservation_id: &ids.reservation_id,
+        message_id: &ids.message_id,
+        now_ms,
+        pending_grace_ms: GRACE_MS,
+    };
+    f.reserve(&keys(), &args).await.expect("reserve")
+}
+
+/// Request n by user 30000+n with payload "h", at T0 + 10 ms.
+async fn reserve_n(f: &Functions, n: u64) -> ReserveReply {
+    reserve_as(f, &ids(n), 30000 + n, "h", T0 + 10).await
+}
+
+async fn mark_sent(f: &Functions, n: u64, now_ms: u64, order_deadline_ms: u64) -> MarkSentReply {
+    let ids = ids(n);
+    let args = MarkSentArgs {
+        reservation_id: &ids.reservation_id,
+        request_id: &ids.request_id,
+        now_ms,
+        order_deadline_ms,
+    };
+    f.mark_sent(&keys(), &args).await.expect("mark_sent")
+}
+
+async fn apply(f: &Functions, n: u64, outcome: FinalOutcome<'_>, now_ms: u64) -> ApplyResultReply {
+    let ids = ids(n);
+    let args = ApplyResultArgs {
+        request_id: &ids.request_id,
+        reservation_id: &ids.reservation_id,
+        outcome,
+        now_ms,
+        payload_hash: "h",
+        message_id: &ids.message_id,
+        user_id: 30000 + n,
+    };
+    f.apply_result(&keys(), &args).await.expect("apply_result")
+}
+
+async fn compensate(
+    f: &Functions,
+    n: u64,
+    return_stock: bool,
+    release_user: bool,
+    reason_code: &str,
+) -> CompensateReply {
+    let ids = ids(n);
+    let args = CompensateArgs {
+        reservation_id: &ids.reservation_id,
+        request_id: &ids.request_id,
+        user_id: 30000 + n,
+        return_stock,
+        release_user,
+        reason_code,
+        now_ms: T0 + 50_000,
+    };
+    f.compensate(&keys(), &args).await.expect("compensate")
+}
+
+const BACKOFF_BASE_MS: u64 = 1_000;
+const BACKOFF_MAX_MS: u64 = 8_000;
+const RECOVERY_DEADLINE_MS: u64 = 600_000;
+
+async fn claim(f: &Functions, now_ms: u64, batch_max: u32) -> Result<ClaimDueReply, ScriptError> {
+    let args = ClaimDueArgs {
+        now_ms,
+        batch_max,
+        backoff_base_ms: BACKOFF_BASE_MS,
+        backoff_max_ms: BACKOFF_MAX_MS,
+        recovery_deadline_ms: RECOVERY_DEADLINE_MS,
+    };
+    f.claim_due(&keys(), &args).await
+}
+
+fn assert_bad_arg<T: std::fmt::Debug>(r: Result<T, ScriptError>, arg: &str) {
+    match r {
+        Err(ScriptError::Server(m)) => {
+            assert_eq!(m, format!("ERR seckill: bad {arg}"), "error message");
+        }
+        other => panic!("expected `bad {arg}`, got {other:?}"),
+    }
+}
+
+// ---- reserve ---------------------------------------------------------------------------------
+
+#[test]
+fn reserve_created_writes_every_key() {
+    with_redis(|f| async move {
+        assert_eq!(
+            preheat(&f, ActivityStatus::Active, 1, 10).await,
+            PreheatReply::Applied { version: 1 }
+        );
+        let now = T0 + 1_234;
+        let reply = reserve_as(&f, &ids(1), 30001, "sha256:aa", now).await;
+        assert_eq!(reply, ReserveReply::Created { stock_after: 9 });
+
+        assert_eq!(stock(&f).await, Some(9));
+        assert_eq!(get(&f, &key("user:30001")).await.as_deref(), Some("resv_1"));
+        assert_eq!(
+            hgetall(&f, &key("req:req_1")).await,
+            map(&[
+                ("payload_hash", "sha256:aa"),
+                ("reservation_id", "resv_1"),
+                ("message_id", "msg_1"),
+                ("state", "QUEUED_PENDING"),
+                ("order_id", ""),
+                ("reason_code", ""),
+                ("user_id", "30001"),
+            ])
+        );
+        let expires_at = (now + TTL_MS).to_string();
+        let next_retry_at = (now + GRACE_MS).to_string();
+        assert_eq!(
+            hgetall(&f, &key("resv:resv_1")).await,
+            map(&[
+                ("reservation_id", "resv_1"),
+                ("message_id", "msg_1"),
+                ("request_id", "req_1"),
+                ("user_id", "30001"),
+                ("status", "PENDING_MESSAGE"),
+                ("payload_hash", "sha256:aa"),
+                ("reserved_at", &now.to_string()),
+                ("expires_at", &expires_at),
+                ("send_attempts", "0"),
+                ("next_retry_at", &next_retry_at),
+                ("last_error_code", ""),
+            ])
+        );
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(now + GRACE_MS));
+        assert_eq!(zcard(&f, &key("resv:pending")).await, 1);
+        assert!(!exists(&f, &key("soldout")).await, "9 left is not sold out");
+    });
+}
+
+#[test]
+fn reserve_replay_is_idempotent_and_other_payload_conflicts() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 1).await;
+        assert_eq!(reserve_n(&f, 1).await, ReserveReply::Created { stock_after: 0 });
+
+        // Replay with the same ids: the first result.
+        let expected = ReserveReply::Idempotent {
+            reservation_id: "resv_1".into(),
+            message_id: "msg_1".into(),
+            state: RequestState::QueuedPending,
+            order_id: None,
+            reason_code: None,
+        };
+        assert_eq!(reserve_n(&f, 1).await, expected);
+        // A retry that minted new reservation/message ids still gets the FIRST ids back, even
+        // though the SKU is sold out now and the activity has ended (idempotency comes first).
+        let retry = Ids { request_id: "req_1".into(), ..ids(99) };
+        assert_eq!(reserve_as(&f, &retry, 30001, "h", T0 + WINDOW_MS + 5).await, expected);
+
+        // Same request id, different payload.
+        assert_eq!(
+            reserve_as(&f, &ids(1), 30001, "other", T0 + 20).await,
+            ReserveReply::IdempotencyConflict
+        );
+        // Nothing written by the replays or the conflict.
+        assert_eq!(stock(&f).await, Some(0));
+        assert!(!exists(&f, &key("resv:resv_99")).await);
+        assert_eq!(zcard(&f, &key("resv:pending")).await, 1);
+        assert_eq!(hgetall(&f, &key("req:req_1")).await["payload_hash"], "h");
+
+        // The replay reports the state the request reached.
+        assert_eq!(mark_sent(&f, 1, T0 + 30, 60_000).await, MarkSentReply::Ok);
+        assert_eq!(
+            apply(&f, 1, FinalOutcome::OrderCreated { order_id: "ord_1" }, T0 + 40).await,
+            ApplyResultReply::Applied
+        );
+        assert_eq!(
+            reserve_n(&f, 1).await,
+            ReserveReply::Idempotent {
+                reservation_id: "resv_1".into(),
+                message_id: "msg_1".into(),
+                state: RequestState::Succeeded,
+                order_id: Some("ord_1".into()),
+                reason_code: None,
+            }
+        );
+    });
+}
+
+#[test]
+fn reserve_activity_invalid_branches_write_nothing() {
+    with_redis(|f| async move {
+        // No meta at all.
+        assert_eq!(
+            reserve_n(&f, 1).await,
+            ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::Unknown }
+        );
+
+        preheat(&f, ActivityStatus::Pending, 1, 10).await;
+        assert_eq!(
+            reserve_n(&f, 1).await,
+            ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::Pending }
+        );
+
+        preheat(&f, ActivityStatus::Active, 2, 10).await;
+        let before = reserve_as(&f, &ids(1), 30001, "h", T0 - 1).await;
+        assert_eq!(
+            before,
+            ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::NotStarted }
+        );
+        // end_ms is exclusive.
+        let at_end = reserve_as(&f, &ids(1), 30001, "h", T0 + WINDOW_MS).await;
+        assert_eq!(at_end, ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::Ended });
+        let after = reserve_as(&f, &ids(1), 30001, "h", T0 + WINDOW_MS + 1).await;
+        assert_eq!(after, ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::Ended });
+
+        preheat(&f, ActivityStatus::Ended, 3, 10).await;
+        assert_eq!(
+            reserve_n(&f, 1).await,
+            ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::Ended }
+        );
+        preheat(&f, ActivityStatus::Terminated, 4, 10).await;
+        assert_eq!(
+            reserve_n(&f, 1).await,
+            ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::Terminated }
+        );
+
+        // None of these recorded anything.
+        assert_eq!(stock(&f).await, Some(10));
+        assert!(!exists(&f, &key("req:req_1")).await);
+        assert!(!exists(&f, &key("resv:resv_1")).await);
+        assert!(!exists(&f, &key("user:30001")).await);
+        assert_eq!(zcard(&f, &key("resv:pending")).await, 0);
+
+        // The boundaries the other way: exactly start_ms and end_ms - 1 are inside.
+        preheat(&f, ActivityStatus::Active, 5, 10).await;
+        let at_start = reserve_as(&f, &ids(1), 30001, "h", T0).await;
+        assert_eq!(at_start, ReserveReply::Created { stock_after: 9 });
+        let last_ms = reserve_as(&f, &ids(2), 30002, "h", T0 + WINDOW_MS - 1).await;
+        assert_eq!(last_ms, ReserveReply::Created { stock_after: 8 });
+    });
+}
+
+#[test]
+fn reserve_duplicate_user_gets_the_first_reservation() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        assert_eq!(
+            reserve_as(&f, &ids(1), 777, "h", T0 + 1).await,
+            ReserveReply::Created { stock_after: 9 }
+        );
+        // A different request (and payload) from the same user.
+        assert_eq!(
+            reserve_as(&f, &ids(2), 777, "h2", T0 + 2).await,
+            ReserveReply::DuplicateUser { reservation_id: "resv_1".into() }
+        );
+        assert_eq!(stock(&f).await, Some(9));
+        assert!(!exists(&f, &key("req:req_2")).await, "a losing request is not recorded");
+        assert!(!exists(&f, &key("resv:resv_2")).await);
+        assert_eq!(get(&f, &key("user:777")).await.as_deref(), Some("resv_1"));
+        // Another user is unaffected.
+        assert_eq!(
+            reserve_as(&f, &ids(3), 778, "h", T0 + 3).await,
+            ReserveReply::Created { stock_after: 8 }
+        );
+    });
+}
+
+#[test]
+fn reserve_sells_the_last_unit_then_sold_out() {
+    with_redis(|f| async move {
+        // Stock 0 from the start.
+        preheat(&f, ActivityStatus::Active, 1, 0).await;
+        assert!(exists(&f, &key("soldout")).await, "preheat with 0 marks sold out");
+        assert_eq!(reserve_n(&f, 1).await, ReserveReply::SoldOut);
+        assert_eq!(stock(&f).await, Some(0));
+        assert!(!exists(&f, &key("req:req_1")).await, "sold-out requests are not recorded");
+        assert!(!exists(&f, &key("user:30001")).await);
+
+        // Stock 1: the last unit sets soldout in the same step.
+        cmd(&f, &["SET", &key("stock"), "1"]).await;
+        cmd(&f, &["DEL", &key("soldout")]).await;
+        assert_eq!(reserve_n(&f, 2).await, ReserveReply::Created { stock_after: 0 });
+        assert!(exists(&f, &key("soldout")).await);
+        assert_eq!(reserve_n(&f, 3).await, ReserveReply::SoldOut);
+        assert_eq!(stock(&f).await, Some(0), "never below zero");
+        assert!(!exists(&f, &key("req:req_3")).await);
+
+        // A missing stock key is sold out too (and marks it).
+        cmd(&f, &["DEL", &key("stock"), &key("soldout")]).await;
+        assert_eq!(reserve_n(&f, 4).await, ReserveReply::SoldOut);
+        assert!(exists(&f, &key("soldout")).await);
+        assert_eq!(stock(&f).await, None, "SOLD_OUT never creates the stock key");
+    });
+}
+
+/// FCALL by hand, for arguments the typed binding cannot even express.
+async fn fcall_raw(f: &Functions, function: &str, keys: &[&str], args: &[&str]) -> String {
+    let numkeys = keys.len().to_string();
+    let mut all = vec!["FCALL", function, numkeys.as_str()];
+    all.extend_from_slice(keys);
+    all.extend_from_slice(args);
+    let reply = cmd(f, &all).await;
+    let error =
+        reply.as_error().unwrap_or_else(|| panic!("expected an error reply, got {reply:?}"));
+    String::from_utf8(error.to_vec()).unwrap()
+}
+
+#[test]
+fn bad_arguments_are_refused_before_any_write() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        let (meta, stock_k, req, resv, pending, soldout) = (
+            key("meta"),
+            key("stock"),
+            key("req:req_1"),
+            key("resv:resv_1"),
+            key("resv:pending"),
+            key("soldout"),
+        );
+        let user = key("user:30001");
+        let reserve_keys = |user: &str| {
+            [
+                meta.clone(),
+                stock_k.clone(),
+                user.to_owned(),
+                req.clone(),
+                resv.clone(),
+                pending.clone(),
+                soldout.clone(),
+            ]
+        };
+        let ok_argv = ["req_1", "30001", "h", "resv_1", "msg_1", "1750000000010", "2000"];
+        let k = reserve_keys(&user);
+        let k: Vec<&str> = k.iter().map(String::as_str).collect();
+
+        let mut bad_now = ok_argv;
+        bad_now[5] = "12x";
+        assert_eq!(fcall_raw(&f, "reserve", &k, &bad_now).await, "ERR seckill: bad now_ms");
+        let mut bad_user = ok_argv;
+        bad_user[1] = "-5";
+        assert_eq!(fcall_raw(&f, "reserve", &k, &bad_user).await, "ERR seckill: bad user_id");
+        let mut huge = ok_argv;
+        huge[5] = "1234567890123456"; // 16 digits: beyond what a Lua number holds exactly
+        assert_eq!(fcall_raw(&f, "reserve", &k, &huge).await, "ERR seckill: bad now_ms");
+        assert_eq!(fcall_raw(&f, "reserve", &k, &ok_argv[..6]).await, "ERR seckill: bad arity");
+        // A user key that does not match the user_id argument, or a key of another SKU.
+        let wrong_user = reserve_keys(&key("user:30002"));
+        let wrong_user: Vec<&str> = wrong_user.iter().map(String::as_str).collect();
+        assert_eq!(fcall_raw(&f, "reserve", &wrong_user, &ok_argv).await, "ERR seckill: bad keys");
+        let mut other_sku = k.clone();
+        other_sku[1] = "seckill:{1:2}:stock";
+        assert_eq!(fcall_raw(&f, "reserve", &other_sku, &ok_argv).await, "ERR seckill: bad keys");
+        assert_eq!(stock(&f).await, Some(10));
+        assert!(!exists(&f, &req).await);
+        assert!(!exists(&f, &key("user:30002")).await);
+        assert_eq!(zcard(&f, &pending).await, 0);
+
+        // Flags must be 0/1; numbers must be numbers; outcomes must be known.
+        let comp_keys = [
+            key("comp:resv_1"),
+            stock_k.clone(),
+            user.clone(),
+            resv.clone(),
+            req.clone(),
+            pending.clone(),
+            soldout.clone(),
+        ];
+        let comp_keys: Vec<&str> = comp_keys.iter().map(String::as_str).collect();
+        assert_eq!(
+            fcall_raw(&f, "compensate", &comp_keys, &["resv_1", "yes", "1", "EXPIRED", "1"]).await,
+            "ERR seckill: bad return_stock"
+        );
+        assert_eq!(
+            fcall_raw(&f, "compensate", &comp_keys, &["resv_1", "1", "2", "EXPIRED", "1"]).await,
+            "ERR seckill: bad release_user"
+        );
+        assert!(!exists(&f, &key("comp:resv_1")).await);
+        assert_eq!(
+            fcall_raw(
+                &f,
+                "preheat",
+                &[&meta, &stock_k, &soldout],
+                &["ACTIVE", "1", "2", "v2", "1", "1"]
+            )
+            .await,
+            "ERR seckill: bad version"
+        );
+        assert_eq!(
+            fcall_raw(
+                &f,
+                "apply_result",
+                &[&req, &resv, &pending],
+                &["resv_1", "MAYBE", "", "", "1", "req_1", "h", "msg_1", "30001"]
+            )
+            .await,
+            "ERR seckill: bad outcome"
+        );
+        assert_eq!(
+            fcall_raw(
+                &f,
+                "claim_due",
+                &[&pending, &key("resv:stuck")],
+                &["seckill:{1:2}:", "1", "1", "1", "1", "1"]
+            )
+            .await,
+            "ERR seckill: bad key_prefix"
+        );
+        assert_eq!(hgetall(&f, &meta).await["version"], "1");
+
+        // Through the binding, a server-side rejection is ScriptError::Server, not transient,
+        // and its outcome is known (the function wrote nothing).
+        let e = f
+            .preheat(
+                &keys(),
+                &PreheatArgs {
+                    status: ActivityStatus::Active,
+                    start_ms: T0,
+                    end_ms: T0,
+                    version: 9,
+                    reservation_ttl_ms: 1,
+                    stock: 1,
+                },
+            )
+            .await;
+        assert!(matches!(&e, Err(e) if !e.is_transient() && !e.outcome_unknown()));
+        assert_bad_arg(e, "end_ms");
+        assert_eq!(hgetall(&f, &meta).await["version"], "1");
+    });
+}
+
+// ---- mark_sent -------------------------------------------------------------------------------
+
+#[test]
+fn mark_sent_every_reply() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        assert_eq!(mark_sent(&f, 1, T0 + 20, 60_000).await, MarkSentReply::NotFound);
+
+        reserve_n(&f, 1).await;
+        assert_eq!(mark_sent(&f, 1, T0 + 20, 60_000).await, MarkSentReply::Ok);
+        assert_eq!(hgetall(&f, &key("resv:resv_1")).await["status"], "MESSAGE_SENT");
+        assert_eq!(hgetall(&f, &key("req:req_1")).await["state"], "QUEUED");
+        // Re-scored, not removed: a message lost after the ack is still republished.
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(T0 + 60_020));
+        assert_eq!(
+            hgetall(&f, &key("resv:resv_1")).await["next_retry_at"],
+            (T0 + 60_020).to_string()
+        );
+
+        // Second call: nothing changes.
+        assert_eq!(mark_sent(&f, 1, T0 + 99, 1).await, MarkSentReply::NotPending);
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(T0 + 60_020));
+
+        // After a final outcome: NOT_PENDING, and the entry is not re-added.
+        reserve_n(&f, 2).await;
+        apply(&f, 2, FinalOutcome::Failed { reason_code: "EXPIRED" }, T0 + 30).await;
+        assert_eq!(mark_sent(&f, 2, T0 + 40, 60_000).await, MarkSentReply::NotPending);
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_2").await, None);
+        assert_eq!(hgetall(&f, &key("req:req_2")).await["state"], "FAILED");
+
+        // A PENDING_MESSAGE reservation whose pending entry vanished is not re-added (ZADD XX).
+        reserve_n(&f, 3).await;
+        cmd(&f, &["ZREM", &key("resv:pending"), "resv_3"]).await;
+        assert_eq!(mark_sent(&f, 3, T0 + 40, 60_000).await, MarkSentReply::Ok);
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_3").await, None);
+        assert_eq!(hgetall(&f, &key("resv:resv_3")).await["status"], "MESSAGE_SENT");
+
+        // A req hash that belongs to another reservation is left alone.
+        reserve_n(&f, 4).await;
+        cmd(&f, &["HSET", &key("req:req_4"), "reservation_id", "resv_other"]).await;
+        assert_eq!(mark_sent(&f, 4, T0 + 40, 60_000).await, MarkSentReply::Ok);
+        assert_eq!(hgetall(&f, &key("req:req_4")).await["state"], "QUEUED_PENDING");
+    });
+}
+
+// ---- claim_due -------------------------------------------------------------------------------
+
+#[test]
+fn claim_due_claims_backs_off_cleans_and_sticks() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        // All reserved at T0 + 10: pending score T0 + 10 + GRACE_MS.
+        for n in 1..=5 {
+            assert!(matches!(reserve_n(&f, n).await, ReserveReply::Created { .. }));
+        }
+        let due_at = T0 + 10 + GRACE_MS;
+
+        // Not due yet: nothing claimed, nothing touched.
+        let r = claim(&f, due_at - 1, 16).await.unwrap();
+        assert!(r.claimed.is_empty() && r.stuck.is_empty());
+        assert_eq!(hgetall(&f, &key("resv:resv_1")).await["send_attempts"], "0");
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(due_at));
+
+        // 2 gets its final outcome; 3 is sent (re-scored to later, so not due); 4's hash is lost.
+        apply(&f, 2, FinalOutcome::OrderCreated { order_id: "ord_2" }, T0 + 20).await;
+        cmd(&f, &["ZADD", &key("resv:pending"), &due_at.to_string(), "resv_2"]).await;
+        mark_sent(&f, 3, T0 + 20, 60_000).await;
+        cmd(&f, &["DEL", &key("resv:resv_4")]).await;
+        // 5 is corrupt (a status nobody writes): it must not poison the batch.
+        cmd(&f, &["HSET", &key("resv:resv_5"), "status", "BOGUS"]).await;
+
+        // Due: 1 claimed (attempt 1, next at now + base); 2 and 4 cleaned, not reported;
+        // 5 moved to stuck as an invalid record.
+        let now = due_at;
+        let r = claim(&f, now, 16).await.unwrap();
+        assert_eq!(r.stuck, vec!["resv_5".to_string()]);
+        assert_eq!(zscore(&f, &key("resv:stuck"), "resv_5").await, Some(now));
+        assert_eq!(hgetall(&f, &key("resv:resv_5")).await["last_error_code"], "INVALID_RECORD");
+        assert_eq!(r.claimed.len(), 1);
+        let e = &r.claimed[0];
+        assert_eq!(
+            (e.reservation_id.as_str(), e.message_id.as_str(), e.request_id.as_str()),
+            ("resv_1", "msg_1", "req_1")
+        );
+        assert_eq!((e.user_id, e.payload_hash.as_str()), (30001, "h"));
+        assert_eq!((e.reserved_at_ms, e.expires_at_ms), (T0 + 10, T0 + 10 + TTL_MS));
+        assert_eq!((e.send_attempts, e.status), (1, PendingStatus::PendingMessage));
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(now + BACKOFF_BASE_MS));
+        let resv1 = hgetall(&f, &key("resv:resv_1")).await;
+        assert_eq!(resv1["send_attempts"], "1");
+        assert_eq!(resv1["next_retry_at"], (now + BACKOFF_BASE_MS).to_string());
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_2").await, None, "final: cleaned");
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_4").await, None, "lost: cleaned");
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_3").await, Some(T0 + 60_020));
+
+        // Exponential backoff, capped: delays 2 s, 4 s, 8 s, 8 s.
+        let mut now = now + BACKOFF_BASE_MS;
+        for (attempt, delay) in [(2, 2_000), (3, 4_000), (4, 8_000), (5, 8_000)] {
+            let r = claim(&f, now, 16).await.unwrap();
+            assert_eq!(r.claimed.len(), 1, "attempt {attempt}");
+            assert_eq!(r.claimed[0].send_attempts, attempt);
+            assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(now + delay));
+            now += delay;
+        }
+
+        // A sent reservation past its order deadline is claimed again (status MESSAGE_SENT).
+        let r = claim(&f, T0 + 60_020, 16).await.unwrap();
+        let ids: Vec<_> = r.claimed.iter().map(|e| e.reservation_id.as_str()).collect();
+        assert_eq!(ids, vec!["resv_1", "resv_3"]);
+        assert_eq!(r.claimed[1].status, PendingStatus::MessageSent);
+        assert_eq!(r.claimed[1].send_attempts, 1);
+
+        // Past the recovery deadline: moved to stuck, reported, marked; never silently dropped.
+        let late = T0 + 10 + RECOVERY_DEADLINE_MS + 1;
+        let r = claim(&f, late, 16).await.unwrap();
+        assert!(r.claimed.is_empty());
+        // Oldest score first: resv_3 (re-scored +1 s) before resv_1 (+8 s backoff).
+        assert_eq!(r.stuck, vec!["resv_3".to_string(), "resv_1".to_string()]);
+        assert_eq!(zcard(&f, &key("resv:pending")).await, 0);
+        assert_eq!(zscore(&f, &key("resv:stuck"), "resv_1").await, Some(late));
+        assert_eq!(hgetall(&f, &key("resv:resv_3")).await["last_error_code"], "RECOVERY_DEADLINE");
+        // Stock and users are untouched by the scanner.
+        assert_eq!(stock(&f).await, Some(5));
+        assert!(exists(&f, &key("user:30001")).await);
+    });
+}
+
+#[test]
+fn claim_due_respects_the_batch_bound() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        for n in 1..=5 {
+            reserve_n(&f, n).await;
+        }
+        let now = T0 + 10 + GRACE_MS;
+        let first = claim(&f, now, 2).await.unwrap();
+        assert_eq!(first.claimed.len(), 2);
+        let second = claim(&f, now, 2).await.unwrap();
+        assert_eq!(second.claimed.len(), 2);
+        let third = claim(&f, now, 2).await.unwrap();
+        assert_eq!(third.claimed.len(), 1);
+        let mut all: Vec<_> = [first, second, third]
+            .iter()
+            .flat_map(|r| r.claimed.iter().map(|e| e.reservation_id.clone()))
+            .collect();
+        all.sort();
+        assert_eq!(all, ["resv_1", "resv_2", "resv_3", "resv_4", "resv_5"], "each claimed once");
+        assert!(claim(&f, now, 2).await.unwrap().claimed.is_empty(), "all re-scored");
+
+        assert_eq!(claim(&f, now + 60_000, 512).await.unwrap().claimed.len(), 5);
+        assert_bad_arg(claim(&f, now, 513).await, "batch_max");
+        assert_bad_arg(claim(&f, now, 0).await, "batch_max");
+    });
+}
+
+// ---- apply_result ----------------------------------------------------------------------------
+
+#[test]
+fn apply_result_applied_already_conflict() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        reserve_n(&f, 1).await;
+        let created = FinalOutcome::OrderCreated { order_id: "ord_1" };
+        assert_eq!(apply(&f, 1, created, T0 + 100).await, ApplyResultReply::Applied);
+        let req = hgetall(&f, &key("req:req_1")).await;
+        assert_eq!((req["state"].as_str(), req["order_id"].as_str()), ("SUCCEEDED", "ord_1"));
+        let resv = hgetall(&f, &key("resv:resv_1")).await;
+        assert_eq!(resv["status"], "ORDER_CREATED");
+        assert_eq!(resv["order_id"], "ord_1");
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, None, "left pending now");
+
+        assert_eq!(apply(&f, 1, created, T0 + 200).await, ApplyResultReply::Already);
+        let failed = FinalOutcome::Failed { reason_code: "NO_FINAL_STOCK" };
+        assert_eq!(apply(&f, 1, failed, T0 + 300).await, ApplyResultReply::Conflict);
+        let other = FinalOutcome::OrderCreated { order_id: "ord_other" };
+        assert_eq!(apply(&f, 1, other, T0 + 300).await, ApplyResultReply::Conflict);
+        // Nothing changed by ALREADY / CONFLICT.
+        assert_eq!(hgetall(&f, &key("req:req_1")).await, req);
+        assert_eq!(hgetall(&f, &key("resv:resv_1")).await, resv);
+
+        // FAILED: req FAILED + reason; a later ORDER_CREATED does not overwrite it.
+        reserve_n(&f, 2).await;
+        let failed = FinalOutcome::Failed { reason_code: "DUPLICATE_USER" };
+        assert_eq!(apply(&f, 2, failed, T0 + 100).await, ApplyResultReply::Applied);
+        let req2 = hgetall(&f, &key("req:req_2")).await;
+        assert_eq!(
+            (req2["state"].as_str(), req2["reason_code"].as_str()),
+            ("FAILED", "DUPLICATE_USER")
+        );
+        assert_eq!(hgetall(&f, &key("resv:resv_2")).await["status"], "FAILED");
+        assert_eq!(apply(&f, 2, failed, T0 + 100).await, ApplyResultReply::Already);
+        let late = FinalOutcome::OrderCreated { order_id: "ord_2" };
+        assert_eq!(apply(&f, 2, late, T0 + 100).await, ApplyResultReply::Conflict);
+        // Stock and users belong to compensate, not to apply_result.
+        assert_eq!(stock(&f).await, Some(8));
+        assert!(exists(&f, &key("user:30002")).await);
+    });
+}
+
+#[test]
+fn apply_result_recreates_a_lost_request_record() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        reserve_n(&f, 1).await;
+        cmd(&f, &["DEL", &key("req:req_1")]).await;
+        let created = FinalOutcome::OrderCreated { order_id: "ord_1" };
+        assert_eq!(apply(&f, 1, created, T0 + 100).await, ApplyResultReply::Applied);
+        assert_eq!(
+            hgetall(&f, &key("req:req_1")).await,
+            map(&[
+                ("payload_hash", "h"),
+                ("reservation_id", "resv_1"),
+                ("message_id", "msg_1"),
+                ("state", "SUCCEEDED"),
+                ("order_id", "ord_1"),
+                ("reason_code", ""),
+                ("user_id", "30001"),
+            ])
+        );
+        // The replay of the request works again.
+        assert_eq!(
+            reserve_n(&f, 1).await,
+            ReserveReply::Idempotent {
+                reservation_id: "resv_1".into(),
+                message_id: "msg_1".into(),
+                state: RequestState::Succeeded,
+                order_id: Some("ord_1".into()),
+                reason_code: None,
+            }
+        );
+
+        // Both records lost (a failover): the req comes back from the event alone, and a
+        // second delivery is ALREADY (judged from req.state when resv is gone).
+        reserve_n(&f, 2).await;
+        cmd(&f, &["DEL", &key("req:req_2"), &key("resv:resv_2")]).await;
+        let failed = FinalOutcome::Failed { reason_code: "EXPIRED" };
+        assert_eq!(apply(&f, 2, failed, T0 + 100).await, ApplyResultReply::Applied);
+        assert_eq!(hgetall(&f, &key("req:req_2")).await["state"], "FAILED");
+        assert!(!exists(&f, &key("resv:resv_2")).await, "resv is never fabricated");
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_2").await, None);
+        assert_eq!(apply(&f, 2, failed, T0 + 200).await, ApplyResultReply::Already);
+        let created2 = FinalOutcome::OrderCreated { order_id: "ord_2" };
+        assert_eq!(apply(&f, 2, created2, T0 + 200).await, ApplyResultReply::Conflict);
+
+        // A req that belongs to another reservation is never overwritten.
+        reserve_n(&f, 3).await;
+        cmd(&f, &["HSET", &key("req:req_3"), "reservation_id", "resv_someone_else"]).await;
+        let created3 = FinalOutcome::OrderCreated { order_id: "ord_3" };
+        assert_eq!(apply(&f, 3, created3, T0 + 100).await, ApplyResultReply::Conflict);
+        assert_eq!(hgetall(&f, &key("resv:resv_3")).await["status"], "PENDING_MESSAGE");
+    });
+}
+
+// ---- compensate ------------------------------------------------------------------------------
+
+#[test]
+fn compensate_returns_stock_once_and_clears_soldout() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 1).await;
+        assert_eq!(reserve_n(&f, 1).await, ReserveReply::Created { stock_after: 0 });
+        assert!(exists(&f, &key("soldout")).await);
+
+        assert_eq!(
+            compensate(&f, 1, true, true, "EXPIRED").await,
+            CompensateReply::Applied { stock_after: 1 }
+        );
+        assert_eq!(stock(&f).await, Some(1));
+        assert!(!exists(&f, &key("soldout")).await, "stock returned: not sold out");
+        assert!(!exists(&f, &key("user:30001")).await, "user released");
+        let resv = hgetall(&f, &key("resv:resv_1")).await;
+        assert_eq!(
+            (resv["status"].as_str(), resv["last_error_code"].as_str()),
+            ("COMPENSATED", "EXPIRED")
+        );
+        let req = hgetall(&f, &key("req:req_1")).await;
+        assert_eq!((req["state"].as_str(), req["reason_code"].as_str()), ("FAILED", "EXPIRED"));
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, None);
+        assert!(exists(&f, &key("comp:resv_1")).await);
+
+        // The same compensation again (a redelivered event): no second return.
+        assert_eq!(compensate(&f, 1, true, true, "EXPIRED").await, CompensateReply::AlreadyApplied);
+        assert_eq!(stock(&f).await, Some(1), "stock returned exactly once");
+
+        // The released user may buy again; a replay of the old request reports FAILED.
+        assert_eq!(
+            reserve_as(&f, &ids(2), 30001, "h", T0 + 60).await,
+            ReserveReply::Created { stock_after: 0 }
+        );
+        assert!(matches!(
+            reserve_n(&f, 1).await,
+            ReserveReply::Idempotent { state: RequestState::Failed, reason_code: Some(r), .. }
+                if r == "EXPIRED"
+        ));
+        // FAILED from the event after compensation is ALREADY.
+        let failed = FinalOutcome::Failed { reason_code: "EXPIRED" };
+        assert_eq!(apply(&f, 1, failed, T0 + 70).await, ApplyResultReply::Already);
+    });
+}
+
+#[test]
+fn compensate_flags_and_user_ownership() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 2).await;
+        reserve_n(&f, 1).await;
+        assert_eq!(reserve_n(&f, 2).await, ReserveReply::Created { stock_after: 0 });
+
+        // No final stock: release the user, keep sold out (stock not returned).
+        assert_eq!(
+            compensate(&f, 1, false, true, "NO_FINAL_STOCK").await,
+            CompensateReply::Applied { stock_after: 0 }
+        );
+        assert_eq!(stock(&f).await, Some(0));
+        assert!(exists(&f, &key("soldout")).await, "stock not returned: still sold out");
+        assert!(!exists(&f, &key("user:30001")).await);
+
+        // The user key now holds ANOTHER reservation: release_user must not delete it.
+        cmd(&f, &["SET", &key("user:30002"), "resv_newer"]).await;
+        assert_eq!(
+            compensate(&f, 2, true, true, "DUPLICATE_USER").await,
+            CompensateReply::Applied { stock_after: 1 }
+        );
+        assert_eq!(get(&f, &key("user:30002")).await.as_deref(), Some("resv_newer"));
+        assert!(!exists(&f, &key("soldout")).await);
+
+        // return_stock without release_user keeps the user marker.
+        preheat(&f, ActivityStatus::Active, 2, 0).await; // newer version: stock untouched
+        assert_eq!(stock(&f).await, Some(1));
+        reserve_n(&f, 3).await;
+        assert_eq!(
+            compensate(&f, 3, true, false, "ORDER_CANCELLED").await,
+            CompensateReply::Applied { stock_after: 1 }
+        );
+        assert_eq!(get(&f, &key("user:30003")).await.as_deref(), Some("resv_3"));
+        assert_eq!(zcard(&f, &key("resv:pending")).await, 0);
+    });
+}
+
+// ---- preheat ---------------------------------------------------------------------------------
+
+#[test]
+fn preheat_versions_and_stock_set_once() {
+    with_redis(|f| async move {
+        assert_eq!(
+            preheat(&f, ActivityStatus::Pending, 5, 3).await,
+            PreheatReply::Applied { version: 5 }
+        );
+        assert_eq!(
+            hgetall(&f, &key("meta")).await,
+            map(&[
+                ("status", "PENDING"),
+                ("start_ms", &T0.to_string()),
+                ("end_ms", &(T0 + WINDOW_MS).to_string()),
+                ("version", "5"),
+                ("reservation_ttl_ms", &TTL_MS.to_string()),
+            ])
+        );
+        assert_eq!(stock(&f).await, Some(3));
+        assert!(!exists(&f, &key("soldout")).await);
+
+        // Equal or lower versions are stale and change nothing.
+        assert_eq!(
+            preheat(&f, ActivityStatus::Active, 5, 3).await,
+            PreheatReply::Stale { current_version: 5 }
+        );
+        assert_eq!(
+            preheat(&f, ActivityStatus::Active, 4, 3).await,
+            PreheatReply::Stale { current_version: 5 }
+        );
+        assert_eq!(hgetall(&f, &key("meta")).await["status"], "PENDING");
+
+        // A newer version changes the status but never resets live stock.
+        assert_eq!(
+            preheat(&f, ActivityStatus::Active, 6, 3).await,
+            PreheatReply::Applied { version: 6 }
+        );
+        assert_eq!(hgetall(&f, &key("meta")).await["status"], "ACTIVE");
+        reserve_n(&f, 1).await;
+        assert_eq!(stock(&f).await, Some(2));
+        assert_eq!(
+            preheat(&f, ActivityStatus::Active, 7, 100).await,
+            PreheatReply::Applied { version: 7 }
+        );
+        assert_eq!(stock(&f).await, Some(2), "live stock untouched by a newer snapshot");
+        assert_eq!(hgetall(&f, &key("meta")).await["version"], "7");
+    });
+}
+
+// ---- reload ----------------------------------------------------------------------------------
+
+/// How many `FUNCTION LOAD` commands the server has run (`INFO commandstats`).
+async fn function_loads(f: &Functions) -> u64 {
+    let info = cmd(f, &["INFO", "commandstats"]).await;
+    let info = info.as_str().unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_function|load:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+#[test]
+fn function_not_found_reloads_and_resends_once() {
+    with_redis(|f| async move {
+        // A fresh Redis has no library: the very first call already goes through the reload.
+        assert_eq!(
+            preheat(&f, ActivityStatus::Active, 1, 5).await,
+            PreheatReply::Applied { version: 1 }
+        );
+        assert!(cmd(&f, &["FUNCTION", "FLUSH"]).await.is_ok());
+        assert_eq!(
+            cmd(&f, &["FCALL", "reserve", "0"]).await.as_error().map(|e| e.to_vec()),
+            Some(b"ERR Function not found".to_vec()),
+            "the server really lost the library"
+        );
+        // The call succeeds, and ran exactly once (stock 5 -> 4).
+        assert_eq!(reserve_n(&f, 1).await, ReserveReply::Created { stock_after: 4 });
+        assert_eq!(stock(&f).await, Some(4));
+        let list = cmd(&f, &["FUNCTION", "LIST", "LIBRARYNAME", "seckill"]).await;
+        assert_eq!(list.as_array().map(<[Reply]>::len), Some(1), "library loaded again");
+
+        // Many concurrent callers that all hit "not found" each get their answer, and the
+        // library is loaded once between them, not once each.
+        assert!(cmd(&f, &["FUNCTION", "FLUSH"]).await.is_ok());
+        let loads_before = function_loads(&f).await;
+        let f = std::rc::Rc::new(f);
+        let tasks: Vec<_> = (2..=4)
+            .map(|n| {
+                let f = f.clone();
+                glommio::spawn_local(async move { reserve_n(&f, n).await })
+            })
+            .collect();
+        let mut stocks = Vec::new();
+        for t in tasks {
+            match t.await {
+                ReserveReply::Created { stock_after } => stocks.push(stock_after),
+                other => panic!("expected CREATED, got {other:?}"),
+            }
+        }
+        stocks.sort();
+        assert_eq!(stocks, vec![1, 2, 3]);
+        assert_eq!(function_loads(&f).await, loads_before + 1, "one reload for the burst");
+
+        // load_library on its own is idempotent (REPLACE).
+        load_library(f.client()).await.unwrap();
+        load_library(f.client()).await.unwrap();
+    });
+}
