@@ -185,15 +185,30 @@ impl Server {
     }
 
     /// The server recorded under `dir`, if its pid is alive, is our binary on the recorded
-    /// port, and answers.
+    /// port, and answers (waiting up to `READY_TIMEOUT` for one that is still starting).
     pub fn find_running(kind: Kind, dir: &Path) -> Option<Server> {
-        let pid: u32 = fs::read_to_string(dir.join("pid")).ok()?.trim().parse().ok()?;
-        let port: u16 = fs::read_to_string(dir.join("port")).ok()?.trim().parse().ok()?;
-        if !process_matches(pid, kind, port) {
-            return None;
-        }
+        let recorded = || -> Option<(u32, u16)> {
+            let pid = fs::read_to_string(dir.join("pid")).ok()?.trim().parse().ok()?;
+            let port = fs::read_to_string(dir.join("port")).ok()?.trim().parse().ok()?;
+            Some((pid, port))
+        };
+        let (pid, port) = recorded()
+            .filter(|(pid, port)| process_matches(*pid, kind, *port))
+            .or_else(|| if kind == Kind::Postgres { postmaster_of(dir) } else { None })?;
         let server = Server { kind, port, pid, dir: dir.to_path_buf() };
-        probe(kind, server.addr()).ok()?;
+        // Alive but not answering yet (PostgreSQL in crash recovery after a kill -9, or a
+        // server another caller just started): wait for it rather than start a second one
+        // on the same data directory.
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while probe(kind, server.addr()).is_err() {
+            if !process_alive(pid) || Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Re-record what we found, so `down` can stop it.
+        fs::write(dir.join("pid"), pid.to_string()).ok()?;
+        fs::write(dir.join("port"), port.to_string()).ok()?;
         Some(server)
     }
 
@@ -228,6 +243,18 @@ impl Server {
             }
         }
     }
+}
+
+/// The postmaster that PostgreSQL itself records in `data/postmaster.pid` (line 1 pid, line 4
+/// port), when it is alive and ours. Covers a cluster whose pid/port files were lost or
+/// overwritten (a crash between spawn and recording): adopting it beats failing on
+/// "lock file postmaster.pid already exists".
+fn postmaster_of(dir: &Path) -> Option<(u32, u16)> {
+    let text = fs::read_to_string(dir.join("data").join("postmaster.pid")).ok()?;
+    let mut lines = text.lines();
+    let pid: u32 = lines.next()?.trim().parse().ok()?;
+    let port: u16 = lines.nth(2)?.trim().parse().ok()?;
+    process_matches(pid, Kind::Postgres, port).then_some((pid, port))
 }
 
 fn spawn_and_wait(kind: Kind, dir: &Path, port: u16) -> Result<Server, StackError> {
@@ -577,7 +604,7 @@ pub fn up(dir: &Path) -> Result<StackEnv, StackError> {
     let lock = lock_dir(dir)?;
     let mut urls = Vec::with_capacity(3);
     for kind in Kind::ALL {
-        let server = ensure(kind, &dir.join(kind.name()))?;
+        let server = ensure_locked(kind, &dir.join(kind.name()))?;
         urls.push(server.url());
     }
     let env =
@@ -588,8 +615,17 @@ pub fn up(dir: &Path) -> Result<StackEnv, StackError> {
 }
 
 /// One server of `kind` under `dir`: the running one, or a new one (on its previous port when
-/// that is free, so URLs stay stable across restarts).
+/// that is free, so URLs stay stable across restarts). Serialised by a lock file in `dir`, so
+/// that concurrent callers (parallel tests, two processes) start one server and share it.
 pub fn ensure(kind: Kind, dir: &Path) -> Result<Server, StackError> {
+    let lock = lock_dir(dir)?;
+    let server = ensure_locked(kind, dir);
+    drop(lock);
+    server
+}
+
+/// [`ensure`] for a caller that already holds the lock of a directory above `dir`.
+fn ensure_locked(kind: Kind, dir: &Path) -> Result<Server, StackError> {
     if let Some(server) = Server::find_running(kind, dir) {
         return Ok(server);
     }
