@@ -36,6 +36,14 @@ pub struct Config {
     pub nats_url: String,
     pub http_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// Number of glommio shards (`FLASHSALE_SHARDS`, default: available cores).
+    pub shards: usize,
+    /// `kid:hexkey,...` as given; parsed and checked by `auth::PassKeys::parse` in `main`.
+    pub pass_keys: Option<String>,
+    pub admin_token: Option<String>,
+    pub control_key: Option<String>,
+    /// Hot SKUs pinned to shards (`[engine] pins = ["10001:20001=1"]`).
+    pub pins: Vec<(crate::router::SkuKey, usize)>,
 }
 
 /// The TOML file's shape. Every field optional: the file only overrides defaults.
@@ -46,7 +54,31 @@ struct FileConfig {
     pg: Option<UrlSection>,
     nats: Option<UrlSection>,
     http: Option<AddrSection>,
-    admin: Option<AddrSection>,
+    admin: Option<AdminSection>,
+    engine: Option<EngineSection>,
+    auth: Option<AuthSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdminSection {
+    addr: Option<String>,
+    token: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EngineSection {
+    shards: Option<usize>,
+    /// `"activity:sku=shard"` entries pinning hot SKUs to shards.
+    pins: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuthSection {
+    pass_keys: Option<String>,
+    control_key: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -69,6 +101,7 @@ pub struct Overrides {
     pub nats_url: Option<String>,
     pub http_addr: Option<String>,
     pub admin_addr: Option<String>,
+    pub shards: Option<usize>,
 }
 
 /// Where the environment comes from: the process environment in `main`, a map in tests.
@@ -124,21 +157,71 @@ impl Config {
             file.http.and_then(|s| s.addr),
             "0.0.0.0:8080".into(),
         );
+        let (admin_file_addr, admin_file_token) =
+            file.admin.map_or((None, None), |s| (s.addr, s.token));
         let admin_addr = pick(
             &flags.admin_addr,
             "FLASHSALE_ADMIN_ADDR",
-            file.admin.and_then(|s| s.addr),
+            admin_file_addr,
             "127.0.0.1:9090".into(),
         );
+        let (file_keys, file_control) =
+            file.auth.map_or((None, None), |s| (s.pass_keys, s.control_key));
+        let optional = |var: &str, file: Option<String>| {
+            env.get(var).cloned().or(file).filter(|v| !v.trim().is_empty())
+        };
+        let pins = parse_pins(file.engine.as_ref().and_then(|e| e.pins.as_deref()).unwrap_or(&[]))?;
+        let shards = match flags.shards {
+            Some(n) => n,
+            None => match env.get("FLASHSALE_SHARDS") {
+                Some(text) => text.trim().parse().map_err(|_| ConfigError::Invalid {
+                    name: "FLASHSALE_SHARDS",
+                    message: format!("{text:?} is not a number"),
+                })?,
+                None => file.engine.and_then(|e| e.shards).unwrap_or_else(|| {
+                    std::thread::available_parallelism().map_or(1, |n| n.get())
+                }),
+            },
+        };
+        if shards == 0 || shards > crate::router::SHARDS_MAX {
+            return Err(ConfigError::Invalid {
+                name: "FLASHSALE_SHARDS",
+                message: format!("{shards} must be between 1 and {}", crate::router::SHARDS_MAX),
+            });
+        }
         let config = Config {
             redis_url: check_scheme("FLASHSALE_REDIS_URL", redis_url, &["redis://"])?,
             pg_url: check_scheme("FLASHSALE_PG_URL", pg_url, &["postgres://", "postgresql://"])?,
             nats_url: check_scheme("FLASHSALE_NATS_URL", nats_url, &["nats://"])?,
             http_addr: parse_addr("FLASHSALE_HTTP_ADDR", &http_addr)?,
             admin_addr: parse_addr("FLASHSALE_ADMIN_ADDR", &admin_addr)?,
+            shards,
+            pass_keys: optional("FLASHSALE_PASS_KEYS", file_keys),
+            admin_token: optional("FLASHSALE_ADMIN_TOKEN", admin_file_token),
+            control_key: optional("FLASHSALE_CONTROL_KEY", file_control),
+            pins,
         };
         Ok(config)
     }
+}
+
+fn parse_pins(entries: &[String]) -> Result<Vec<(crate::router::SkuKey, usize)>, ConfigError> {
+    entries
+        .iter()
+        .map(|entry| {
+            let parsed = entry.split_once('=').and_then(|(sku, shard)| {
+                let (a, s) = sku.split_once(':')?;
+                Some((
+                    crate::router::SkuKey::new(a.trim().parse().ok()?, s.trim().parse().ok()?),
+                    shard.trim().parse().ok()?,
+                ))
+            });
+            parsed.ok_or_else(|| ConfigError::Invalid {
+                name: "[engine] pins",
+                message: format!("{entry:?} is not \"activity:sku=shard\""),
+            })
+        })
+        .collect()
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -210,6 +293,22 @@ mod tests {
         assert_eq!(c.redis_url, stack.redis_url);
         assert_eq!(c.pg_url, stack.pg_url);
         assert_eq!(c.nats_url, stack.nats_url);
+    }
+
+    #[test]
+    fn pins_parse_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.toml");
+        std::fs::write(&path, "[engine]\nshards = 2\npins = [\"10001:20001=1\"]\n").expect("w");
+        let c = Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        assert_eq!(c.shards, 2);
+        assert_eq!(c.pins, vec![(crate::router::SkuKey::new(10001, 20001), 1)]);
+        std::fs::write(&path, "[engine]\npins = [\"10001-20001\"]\n").expect("w");
+        let err = Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("pins"), "{err}");
+        let e = env(&[("FLASHSALE_SHARDS", "0")]);
+        let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_SHARDS"), "{err}");
     }
 
     #[test]

@@ -6,5 +6,17 @@
 //!
 //! Read `ARCHITECTURE.md` at the repository root for the map of the whole workspace.
 
+pub mod api;
+pub mod auth;
 pub mod config;
+pub mod durable;
+pub mod http;
+pub mod ids;
+pub mod limiter;
+pub mod metrics;
+pub mod outcome;
+pub mod partition;
+pub mod router;
+pub mod serve;
+pub mod shard;
 pub mod stack;

@@ -31,6 +31,39 @@ enum Command {
     },
     /// Apply the PostgreSQL schema (versioned, idempotent).
     Migrate(ConnArgs),
+    /// The edge engine: glommio shards, HTTP and admin listeners, and the durable side.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// Redis URL (overrides FLASHSALE_REDIS_URL).
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// NATS URL (overrides FLASHSALE_NATS_URL).
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Public listener (overrides FLASHSALE_HTTP_ADDR).
+    #[arg(long)]
+    http_addr: Option<String>,
+    /// Admin listener (overrides FLASHSALE_ADMIN_ADDR).
+    #[arg(long)]
+    admin_addr: Option<String>,
+    /// Number of shards (overrides FLASHSALE_SHARDS).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Do not pin shards to cores (shared machines, laptops, CI).
+    #[arg(long)]
+    no_pin: bool,
+    /// Start without FLASHSALE_PASS_KEYS using the well-known development key (never in
+    /// production: anyone can mint passes).
+    #[arg(long)]
+    insecure_dev_auth: bool,
+    /// Seconds to let in-flight work finish after SIGTERM.
+    #[arg(long, default_value_t = 10)]
+    grace_s: u64,
 }
 
 #[derive(Subcommand)]
@@ -101,6 +134,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Command::Serve(args) => serve(args),
         Command::Migrate(args) => {
             let overrides = Overrides { pg_url: args.pg_url, ..Default::default() };
             let config = Config::load(
@@ -129,6 +163,85 @@ fn migrate(config: &Config) -> anyhow::Result<()> {
         );
         drop(client);
         let _ = driver.await;
+        Ok(())
+    })
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    use flashsale_engine::auth::PassKeys;
+    use flashsale_engine::serve::{self, Pinning, ServeConfig};
+
+    let overrides = Overrides {
+        redis_url: args.redis_url,
+        pg_url: args.conn.pg_url,
+        nats_url: args.nats_url,
+        http_addr: args.http_addr,
+        admin_addr: args.admin_addr,
+        shards: args.shards,
+    };
+    let config = Config::load(
+        args.conn.config.as_deref(),
+        &config::process_env(),
+        &overrides,
+        &args.conn.stack_dir,
+    )?;
+    let pass_keys = match (&config.pass_keys, args.insecure_dev_auth) {
+        (Some(keys), _) => PassKeys::parse(keys).context("FLASHSALE_PASS_KEYS")?,
+        (None, true) => {
+            tracing::warn!(
+                "--insecure-dev-auth: accepting passes signed with the public development key \
+                 (kid `dev`); never use this in production"
+            );
+            PassKeys::parse(flashsale_engine::auth::DEV_PASS_KEYS)?
+        }
+        (None, false) => anyhow::bail!(
+            "serve refuses to start without user-pass keys: set FLASHSALE_PASS_KEYS=kid:hexkey \
+             (or pass --insecure-dev-auth for local development)"
+        ),
+    };
+    if config.admin_token.is_none() && !config.admin_addr.ip().is_loopback() {
+        anyhow::bail!(
+            "the admin listener {} is not on loopback: set FLASHSALE_ADMIN_TOKEN to expose it",
+            config.admin_addr
+        );
+    }
+    migrate(&config)?;
+    let redis = serve::redis_addr(&config.redis_url)?;
+    let serve_config = ServeConfig {
+        shards: config.shards,
+        pins: config.pins.clone(),
+        pinning: if args.no_pin { Pinning::Unpinned } else { Pinning::PinPerCore },
+        http_addr: config.http_addr,
+        admin_addr: config.admin_addr,
+        pass_keys,
+        admin_token: config.admin_token.clone(),
+        edge: serve::default_edge_config(redis),
+        durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
+        io_memory_bytes: 1 << 20,
+        render_extra: None,
+    };
+    let handle = serve::start(serve_config)?;
+    eprintln!(
+        "flashsale serve: {} shards, public http://{}, admin http://{}",
+        config.shards, handle.http_addr, handle.admin_addr
+    );
+    wait_for_termination()?;
+    tracing::info!("signal received: draining");
+    handle.drain();
+    std::thread::sleep(std::time::Duration::from_secs(args.grace_s.min(1)));
+    handle.shutdown();
+    Ok(())
+}
+
+/// Blocks until SIGTERM or SIGINT.
+fn wait_for_termination() -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
         Ok(())
     })
 }

@@ -116,3 +116,37 @@ fn missing_server_binary_names_the_package() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("apt-get install -y redis-server"), "{stderr}");
 }
+
+#[test]
+fn serve_refuses_to_start_without_pass_keys() {
+    let root = tempfile::tempdir().expect("tmp");
+    let out = flashsale()
+        .args(["serve", "--no-pin", "--stack-dir"])
+        .arg(root.path())
+        .env_remove("FLASHSALE_PASS_KEYS")
+        .output()
+        .expect("run serve");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("FLASHSALE_PASS_KEYS") && stderr.contains("--insecure-dev-auth"), "{stderr}");
+
+    // A malformed key list is refused with the variable named.
+    let out = flashsale()
+        .args(["serve", "--no-pin", "--stack-dir"])
+        .arg(root.path())
+        .env("FLASHSALE_PASS_KEYS", "k1:nothex")
+        .output()
+        .expect("run serve");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FLASHSALE_PASS_KEYS"));
+
+    // An admin listener off loopback needs a token.
+    let out = flashsale()
+        .args(["serve", "--no-pin", "--insecure-dev-auth", "--admin-addr", "0.0.0.0:0", "--stack-dir"])
+        .arg(root.path())
+        .env_remove("FLASHSALE_ADMIN_TOKEN")
+        .output()
+        .expect("run serve");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FLASHSALE_ADMIN_TOKEN"));
+}

@@ -4,9 +4,13 @@
 //!   encoded by hand into reused buffers.
 //! - [`redis`]: the pipelined Redis connection for glommio and [`redis::script`], the binding
 //!   of the `seckill` Redis Functions library in `lua/`.
+//! - [`log`]: the JetStream side (streams, consumers, publishing with `Nats-Msg-Id`).
+//! - [`wire`]: the order-create message and outbox event schemas.
 //!
 //! This crate decides nothing about business outcomes; it reports what the stores said, and
 //! says "outcome unknown" when it cannot know.
 
+pub mod log;
 pub mod redis;
 pub mod resp;
+pub mod wire;

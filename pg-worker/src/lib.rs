@@ -13,6 +13,7 @@
 //! Read next: `migrations/0001_init.sql` for the tables and which invariant of
 //! DESIGN.md section 8 each constraint enforces; then `migrate.rs`, `tokens.rs`.
 
+pub mod edge;
 pub mod error;
 pub mod migrate;
 pub mod tokens;

@@ -17,7 +17,7 @@
 //! partial index this claim is written for; `tests/tests/pg_schema.rs` checks
 //! the plan uses it).
 
-use tokio_postgres::{Client, Transaction};
+use tokio_postgres::Transaction;
 
 use crate::error::PgError;
 
@@ -72,7 +72,7 @@ pub fn token_id(activity_id: i64, sku_id: i64, seq: i64) -> String {
 /// same `count` inserts nothing, so the SKU has exactly `count` tokens however
 /// often the admin call is retried. Pass the SKU's `total_stock`.
 pub async fn generate_tokens(
-    client: &Client,
+    client: &impl tokio_postgres::GenericClient,
     activity_id: i64,
     sku_id: i64,
     count: i64,

@@ -157,3 +157,113 @@ where
         .join()
         .expect("glommio executor panicked")
 }
+
+/// A parsed HTTP/1.1 response (test client side).
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("response body is not JSON ({e}): {:?}", self.body))
+    }
+}
+
+/// A minimal blocking HTTP/1.1 client over one keep-alive connection: enough to drive the
+/// engine with exact bytes (limits, pipelining, smuggling attempts) from tests.
+pub struct HttpClient {
+    stream: std::net::TcpStream,
+    buf: Vec<u8>,
+}
+
+impl HttpClient {
+    pub fn connect(addr: SocketAddr) -> HttpClient {
+        let stream = std::net::TcpStream::connect(addr).expect("connect to the engine");
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).expect("timeout");
+        stream.set_nodelay(true).expect("nodelay");
+        HttpClient { stream, buf: Vec::new() }
+    }
+
+    /// Writes raw bytes (one or several requests).
+    pub fn send_raw(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        self.stream.write_all(bytes).expect("write request");
+    }
+
+    /// Reads one response; `None` when the server closed the connection first.
+    pub fn read_response(&mut self) -> Option<HttpResponse> {
+        use std::io::Read;
+        loop {
+            if let Some(end) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&self.buf[..end]).to_string();
+                let mut lines = head.split("\r\n");
+                let status: u16 = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+                let headers: Vec<(String, String)> = lines
+                    .filter_map(|l| l.split_once(':'))
+                    .map(|(n, v)| (n.trim().to_string(), v.trim().to_string()))
+                    .collect();
+                let len: usize = headers
+                    .iter()
+                    .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+                    .and_then(|(_, v)| v.parse().ok())
+                    .unwrap_or(0);
+                while self.buf.len() < end + 4 + len {
+                    let mut chunk = [0u8; 4096];
+                    let n = self.stream.read(&mut chunk).ok()?;
+                    if n == 0 {
+                        return None;
+                    }
+                    self.buf.extend_from_slice(&chunk[..n]);
+                }
+                let body = String::from_utf8_lossy(&self.buf[end + 4..end + 4 + len]).to_string();
+                self.buf.drain(..end + 4 + len);
+                return Some(HttpResponse { status, headers, body });
+            }
+            let mut chunk = [0u8; 4096];
+            let n = self.stream.read(&mut chunk).ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// True when the server has closed the connection (reads EOF).
+    pub fn is_closed(&mut self) -> bool {
+        use std::io::Read;
+        let mut byte = [0u8; 1];
+        matches!(self.stream.read(&mut byte), Ok(0) | Err(_))
+    }
+
+    /// One request with an optional bearer token and JSON body; reads its response.
+    pub fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        bearer: Option<&str>,
+        body: Option<&str>,
+    ) -> HttpResponse {
+        let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: test\r\n");
+        if let Some(token) = bearer {
+            raw.push_str(&format!("Authorization: Bearer {token}\r\n"));
+        }
+        if let Some(body) = body {
+            raw.push_str(&format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ));
+        } else {
+            raw.push_str("\r\n");
+        }
+        self.send_raw(raw.as_bytes());
+        self.read_response().expect("a response before the connection closed")
+    }
+}

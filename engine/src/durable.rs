@@ -1,0 +1,259 @@
+//! The durable side of `flashsale serve` (DESIGN.md section 3): a tokio runtime on its own
+//! threads holding the JetStream publisher and a small PostgreSQL pool for the edge's needs
+//! (query fallback, admin activity creation). The glommio shards reach it only through
+//! [`DurableHandle`]: a bounded queue (`try_send`, never blocking a shard) and a oneshot
+//! completion per request, awaited on the shard (a glommio task woken from a foreign thread,
+//! ~30 µs per round trip on this machine, FIELD-NOTES.md).
+//!
+//! It never talks to Redis: Redis writes belong to the owner shard of each SKU.
+//!
+//! Not here: the order-writer and outbox publisher (`flashsale_pg_worker`, started beside it
+//! unless `--no-worker`).
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use flashsale_io::log::{Log, LogConfig, LogError, PublishAck, Publisher};
+use flashsale_io::wire::OrderCreate;
+use flashsale_pg_worker::edge::{self, ActivitySpec, CreateActivity, ReservationRecord, SkuConfig};
+use flashsale_pg_worker::PgError;
+use futures::channel::oneshot;
+use tokio::sync::{mpsc, Semaphore};
+
+/// Everything the durable side needs, spelled out.
+#[derive(Debug, Clone)]
+pub struct DurableConfig {
+    pub pg_url: String,
+    /// Connections of the edge's pool (query fallback, admin); the order-writer has its own.
+    pub pg_pool_size: usize,
+    pub log: LogConfig,
+    /// Requests queued from all shards at once; full → the shard answers at once
+    /// (`QUEUED_PENDING` for a publish, `UNKNOWN` for a query).
+    pub queue_max: usize,
+    /// Requests being worked on at once (publishes awaiting acks, queries).
+    pub in_flight_max: usize,
+    /// Bound on one PostgreSQL call of the edge.
+    pub pg_timeout_ms: u64,
+    /// tokio worker threads.
+    pub threads: usize,
+}
+
+/// What the shards can ask for.
+pub enum DurableRequest {
+    Publish { message: Box<OrderCreate>, reply: oneshot::Sender<Result<PublishAck, LogError>> },
+    FindReservation {
+        activity_id: i64,
+        sku_id: i64,
+        user_id: i64,
+        request_id: String,
+        reply: oneshot::Sender<Result<Option<ReservationRecord>, DurableError>>,
+    },
+    CreateActivity { spec: ActivitySpec, reply: oneshot::Sender<Result<CreateActivity, DurableError>> },
+    MarkActive { activity_id: i64, reply: oneshot::Sender<Result<(), DurableError>> },
+    SkuConfig {
+        activity_id: i64,
+        sku_id: i64,
+        reply: oneshot::Sender<Result<Option<SkuConfig>, DurableError>>,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DurableError {
+    #[error("postgres: {0}")]
+    Pg(#[from] PgError),
+    #[error("postgres pool: {0}")]
+    Pool(String),
+    #[error("postgres call timed out")]
+    Timeout,
+    #[error("log: {0}")]
+    Log(#[from] LogError),
+    #[error("durable side unavailable (queue full or stopped)")]
+    Unavailable,
+}
+
+/// The shards' end of the crossing. `Send + Clone`: one clone per shard.
+#[derive(Clone)]
+pub struct DurableHandle {
+    tx: mpsc::Sender<DurableRequest>,
+}
+
+impl DurableHandle {
+    /// Queues a request without blocking; a full queue hands the request back.
+    pub fn try_send(&self, request: DurableRequest) -> Result<(), DurableError> {
+        self.tx.try_send(request).map_err(|_| DurableError::Unavailable)
+    }
+
+    /// Queues `make(reply)` and awaits the answer (from any runtime).
+    pub async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, DurableError>>) -> DurableRequest,
+    ) -> Result<T, DurableError> {
+        let (tx, rx) = oneshot::channel();
+        self.try_send(make(tx))?;
+        rx.await.map_err(|_| DurableError::Unavailable)?
+    }
+}
+
+/// The running durable side: its thread and the handle to stop it.
+pub struct Durable {
+    thread: Option<JoinHandle<()>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Durable {
+    /// Connects to NATS (ensuring streams and consumers) and PostgreSQL, then serves requests
+    /// on its own runtime. Fails when a dependency cannot be reached at start.
+    pub fn start(config: DurableConfig) -> anyhow::Result<(Durable, DurableHandle)> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads.max(1))
+            .thread_name("durable")
+            .enable_all()
+            .build()?;
+        let (tx, rx) = mpsc::channel(config.queue_max);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("durable-main".into()).spawn(move || {
+            runtime.block_on(async move {
+                match connect(&config).await {
+                    Ok((publisher, pool)) => {
+                        let _ = ready_tx.send(Ok(()));
+                        serve(config, publisher, pool, rx, stop_rx).await;
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            });
+        })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => anyhow::bail!("durable side exited during start-up"),
+        }
+        Ok((Durable { thread: Some(thread), stop: Some(stop_tx) }, DurableHandle { tx }))
+    }
+
+    /// Stops taking requests, lets those in flight finish (bounded by their own timeouts) and
+    /// joins the thread.
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Durable {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+async fn connect(config: &DurableConfig) -> anyhow::Result<(Publisher, Pool)> {
+    let log = Log::connect(&config.log).await?;
+    log.ensure_streams().await?;
+    log.ensure_consumers().await?;
+    let pg_config: tokio_postgres::Config = config.pg_url.parse()?;
+    let manager = Manager::from_config(
+        pg_config,
+        tokio_postgres::NoTls,
+        ManagerConfig { recycling_method: RecyclingMethod::Fast },
+    );
+    let pool = Pool::builder(manager)
+        .max_size(config.pg_pool_size)
+        .wait_timeout(Some(Duration::from_millis(config.pg_timeout_ms)))
+        .create_timeout(Some(Duration::from_millis(config.pg_timeout_ms)))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()?;
+    // Prove the database answers now rather than on the first buyer's query.
+    let client = pool.get().await.map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
+    client.simple_query("SELECT 1").await?;
+    Ok((log.publisher(), pool))
+}
+
+async fn serve(
+    config: DurableConfig,
+    publisher: Publisher,
+    pool: Pool,
+    mut rx: mpsc::Receiver<DurableRequest>,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let permits = Arc::new(Semaphore::new(config.in_flight_max));
+    let pg_timeout = Duration::from_millis(config.pg_timeout_ms);
+    loop {
+        let request = tokio::select! {
+            request = rx.recv() => match request { Some(r) => r, None => break },
+            _ = &mut stop => break,
+        };
+        // Bounded concurrency: waiting here backs the queue up, and a full queue is an
+        // immediate answer on the shard.
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { break };
+        let publisher = publisher.clone();
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            handle(request, &publisher, &pool, pg_timeout).await;
+            drop(permit);
+        });
+    }
+    // Let in-flight requests finish: each is bounded by its own timeout.
+    let _ = permits.acquire_many(config.in_flight_max as u32).await;
+}
+
+async fn handle(request: DurableRequest, publisher: &Publisher, pool: &Pool, timeout: Duration) {
+    match request {
+        DurableRequest::Publish { message, reply } => {
+            let _ = reply.send(publisher.publish_order(&message).await);
+        }
+        DurableRequest::FindReservation { activity_id, sku_id, user_id, request_id, reply } => {
+            let result = with_pg(pool, timeout, |client| async move {
+                edge::find_reservation(&client, activity_id, sku_id, user_id, &request_id).await
+            })
+            .await;
+            let _ = reply.send(result);
+        }
+        DurableRequest::CreateActivity { spec, reply } => {
+            let result = with_pg(pool, timeout, |mut client| async move {
+                edge::create_activity(&mut client, &spec).await
+            })
+            .await;
+            let _ = reply.send(result);
+        }
+        DurableRequest::MarkActive { activity_id, reply } => {
+            let result = with_pg(pool, timeout, |client| async move {
+                edge::mark_activity_active(&client, activity_id).await
+            })
+            .await;
+            let _ = reply.send(result);
+        }
+        DurableRequest::SkuConfig { activity_id, sku_id, reply } => {
+            let result = with_pg(pool, timeout, |client| async move {
+                edge::sku_config(&client, activity_id, sku_id).await
+            })
+            .await;
+            let _ = reply.send(result);
+        }
+    }
+}
+
+async fn with_pg<T, F, Fut>(pool: &Pool, timeout: Duration, f: F) -> Result<T, DurableError>
+where
+    F: FnOnce(deadpool_postgres::Object) -> Fut,
+    Fut: std::future::Future<Output = Result<T, PgError>>,
+{
+    let work = async {
+        let client = pool.get().await.map_err(|e| DurableError::Pool(e.to_string()))?;
+        f(client).await.map_err(DurableError::from)
+    };
+    tokio::time::timeout(timeout, work).await.map_err(|_| DurableError::Timeout)?
+}

@@ -1,0 +1,205 @@
+//! `flashsale serve`: starts the durable side (tokio threads) and one glommio executor per
+//! shard, and returns a handle that knows the bound addresses and stops everything. Tests run
+//! the engine in-process through [`start`] on port 0.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use flashsale_io::log::LogConfig;
+use flashsale_io::redis::RedisConfig;
+use glommio::channels::channel_mesh::MeshBuilder;
+use glommio::{ExecutorJoinHandle, LocalExecutorBuilder, Placement};
+
+use crate::auth::PassKeys;
+use crate::durable::{Durable, DurableConfig};
+use crate::metrics::EdgeMetrics;
+use crate::router::PartitionTable;
+use crate::shard::{self, EdgeConfig, EdgeShared, ShardStart};
+
+/// Whether shards are pinned one per core (production) or float (shared machines, tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pinning {
+    PinPerCore,
+    Unpinned,
+}
+
+/// Everything `serve` needs, validated by `main`.
+pub struct ServeConfig {
+    pub shards: usize,
+    /// Hot SKUs pinned to shards; the rest round-robin by partition.
+    pub pins: Vec<(crate::router::SkuKey, usize)>,
+    pub pinning: Pinning,
+    pub http_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub pass_keys: PassKeys,
+    pub admin_token: Option<String>,
+    pub edge: EdgeConfig,
+    pub durable: DurableConfig,
+    /// Memory glommio registers per executor for I/O (counts against `ulimit -l`).
+    pub io_memory_bytes: usize,
+    pub render_extra: Option<Box<dyn Fn() -> String + Send + Sync>>,
+}
+
+/// Resolves `redis://host:port[/db]` to the address of its (single) node.
+pub fn redis_addr(url: &str) -> anyhow::Result<SocketAddr> {
+    let rest = url.strip_prefix("redis://").context("FLASHSALE_REDIS_URL must start with redis://")?;
+    let first = rest.split(',').next().unwrap_or(rest);
+    let host_port = first.split('/').next().unwrap_or(first);
+    let host_port = host_port.rsplit('@').next().unwrap_or(host_port);
+    host_port
+        .to_socket_addrs()
+        .with_context(|| format!("resolve Redis address {host_port}"))?
+        .next()
+        .with_context(|| format!("no address for {host_port}"))
+}
+
+/// The defaults of the edge, each with its reason (see `EdgeConfig`).
+pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
+    EdgeConfig {
+        http: crate::http::Limits::DEFAULT,
+        connections_per_shard_max: 16_384,
+        header_read_timeout_ms: 5_000,
+        idle_timeout_ms: 60_000,
+        redis: RedisConfig::new(redis),
+        pending_grace_ms: 2_000,
+        order_deadline_ms: 10_000,
+        publish_wait_ms: 500,
+        query_fallback_wait_ms: 500,
+        mesh_capacity: 1_024,
+        partition: crate::partition::PartitionLimits::for_stock(100_000),
+        skus_tracked_max: 4_096,
+        reservation_ttl_ms_default: 5 * 60 * 1000,
+        overloaded_retry_ms: 200,
+        busy_retry_ms: 1_000,
+        // A buyer retries a few times a second at most; 20 in a burst covers a pipelined
+        // client's retries of one intent.
+        user_rate: crate::limiter::Rate { per_s: 10, burst: 20 },
+        ip_rate: crate::limiter::Rate { per_s: 2_000, burst: 4_000 },
+        limiter_slots: 1 << 16,
+    }
+}
+
+pub fn default_durable_config(pg_url: &str, nats_url: &str) -> DurableConfig {
+    DurableConfig {
+        pg_url: pg_url.to_owned(),
+        pg_pool_size: 8,
+        log: LogConfig { url: nats_url.to_owned(), ..LogConfig::default() },
+        queue_max: 8_192,
+        in_flight_max: 4_096,
+        pg_timeout_ms: 2_000,
+        threads: 1,
+    }
+}
+
+/// A running engine.
+pub struct ServeHandle {
+    pub http_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    shared: Arc<EdgeShared>,
+    executors: Vec<ExecutorJoinHandle<()>>,
+    durable: Option<Durable>,
+}
+
+impl ServeHandle {
+    /// Readiness false and public listeners stop accepting (first step of a graceful stop).
+    pub fn drain(&self) {
+        self.shared.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops shards (in-flight requests finish within their own deadlines) and the durable
+    /// side, and waits for them.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.shared.draining.store(true, Ordering::Relaxed);
+        self.shared.stopping.store(true, Ordering::Relaxed);
+        for executor in self.executors.drain(..) {
+            let _ = executor.join();
+        }
+        if let Some(durable) = self.durable.take() {
+            durable.shutdown();
+        }
+    }
+}
+
+impl Drop for ServeHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
+    let shard_count = config.shards;
+    let table = PartitionTable::new(shard_count, &config.pins)?;
+    let (durable, durable_handle) = Durable::start(config.durable.clone())?;
+    let shared = Arc::new(EdgeShared {
+        config: config.edge.clone(),
+        table,
+        pass_keys: config.pass_keys,
+        admin_token: config.admin_token,
+        metrics: EdgeMetrics::new(shard_count),
+        durable: durable_handle,
+        draining: AtomicBool::new(false),
+        stopping: AtomicBool::new(false),
+        heartbeats: (0..shard_count).map(|_| AtomicU64::new(shard::now_ms())).collect(),
+        started: (0..shard_count).map(|_| AtomicBool::new(false)).collect(),
+        ports: std::sync::OnceLock::new(),
+        render_extra: config.render_extra,
+    });
+    let mesh = MeshBuilder::full(shard_count, config.edge.mesh_capacity);
+    let mut executors = Vec::with_capacity(shard_count);
+    for id in 0..shard_count {
+        let placement = match config.pinning {
+            Pinning::PinPerCore => Placement::Fixed(id),
+            Pinning::Unpinned => Placement::Unbound,
+        };
+        let start = ShardStart {
+            id,
+            shared: Arc::clone(&shared),
+            mesh: mesh.clone(),
+            http_addr: config.http_addr,
+            admin_addr: config.admin_addr,
+            id_seed: rand::random(),
+        };
+        let handle = LocalExecutorBuilder::new(placement)
+            .name(&format!("shard-{id}"))
+            .io_memory(config.io_memory_bytes)
+            .ring_depth(256)
+            .spawn(move || shard::run(start))
+            .map_err(|e| anyhow::anyhow!("start shard {id} (pinning {:?}): {e}", config.pinning))?;
+        executors.push(handle);
+    }
+    let mut handle = ServeHandle {
+        http_addr: config.http_addr,
+        admin_addr: config.admin_addr,
+        shared: Arc::clone(&shared),
+        executors,
+        durable: Some(durable),
+    };
+    // Wait until every shard listens (or one failed).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if shared.stopping.load(Ordering::Relaxed) {
+            handle.stop();
+            anyhow::bail!("a shard failed to start (see the log)");
+        }
+        if shared.started.iter().all(|s| s.load(Ordering::Relaxed)) {
+            break;
+        }
+        if Instant::now() > deadline {
+            handle.stop();
+            anyhow::bail!("shards did not start within 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if let Some((http_port, admin_port)) = shared.ports.get() {
+        handle.http_addr.set_port(*http_port);
+        handle.admin_addr.set_port(*admin_port);
+    }
+    Ok(handle)
+}

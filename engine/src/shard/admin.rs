@@ -1,0 +1,346 @@
+//! The admin plane (CONTRACT.md section 4), served by shard 0 on `FLASHSALE_ADMIN_ADDR`:
+//! activity creation and inspection, `/metrics`, health, drain. Authenticated with
+//! `Authorization: Bearer $FLASHSALE_ADMIN_TOKEN` when a token is configured; without one,
+//! only loopback peers are served (and `serve` refuses a non-loopback admin address).
+//!
+//! Health (DESIGN.md section 7): `/livez` checks only that every shard's event loop ticks;
+//! `/readyz` only local state (started, not draining). Dependency health never decides
+//! liveness.
+
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use flashsale_io::redis::script::{ActivityStatus, PreheatArgs, PreheatReply};
+use flashsale_pg_worker::edge::{ActivitySpec, Allocator, CreateActivity};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::conn::RequestCtx;
+use super::{now_ms, Shard};
+use crate::durable::DurableRequest;
+use crate::http::{write_response, ContentType, Method, Request, ResponseHead, Status};
+use crate::router::SkuKey;
+
+/// A shard whose loop has not ticked for this long is not live.
+const HEARTBEAT_STALE_MS: u64 = 2_000;
+/// Largest stock one admin call may create tokens for.
+const STOCK_MAX: i64 = 10_000_000;
+/// Defaults of CONTRACT.md section 4's optional fields.
+const DEFAULT_WINDOW_MS: i64 = 24 * 3600 * 1000;
+const DEFAULT_RESERVATION_TTL_MS: i64 = 5 * 60 * 1000;
+const DEFAULT_PAY_TIMEOUT_MS: i64 = 15 * 60 * 1000;
+/// Bound on an admin call's wait for PostgreSQL.
+const ADMIN_PG_WAIT_MS: u64 = 30_000;
+
+pub async fn handle(
+    shard: &Rc<Shard>,
+    request: &Request<'_>,
+    body: &[u8],
+    ctx: &RequestCtx,
+    head: &mut ResponseHead<'_>,
+    out: &mut BytesMut,
+) {
+    if !authorized(shard, request, ctx) {
+        head.status = Status::Unauthorized;
+        write_response(out, head, br#"{"state":"UNAUTHORIZED"}"#);
+        return;
+    }
+    let (status, text) = route(shard, request, body).await;
+    head.status = status;
+    if request.path == "/metrics" && status == Status::Ok {
+        head.content_type = ContentType::PrometheusText;
+    }
+    write_response(out, head, text.as_bytes());
+}
+
+fn authorized(shard: &Shard, request: &Request<'_>, ctx: &RequestCtx) -> bool {
+    match &shard.shared.admin_token {
+        Some(token) => {
+            let given = request
+                .authorization
+                .and_then(|h| h.strip_prefix("Bearer "))
+                .unwrap_or("")
+                .as_bytes();
+            constant_time_eq(given, token.as_bytes())
+        }
+        None => ctx.peer_is_loopback,
+    }
+}
+
+/// Length leaks (tokens are fixed-length secrets in practice); contents do not.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status, String) {
+    let shared = &shard.shared;
+    match (request.method, request.path) {
+        (Method::Get, "/livez") => {
+            let now = now_ms();
+            let live = shared
+                .heartbeats
+                .iter()
+                .all(|h| now.saturating_sub(h.load(Ordering::Relaxed)) < HEARTBEAT_STALE_MS);
+            health(live, "live")
+        }
+        (Method::Get, "/startupz") => {
+            health(shared.started.iter().all(|s| s.load(Ordering::Relaxed)), "started")
+        }
+        (Method::Get, "/readyz") => {
+            let ready = shared.started.iter().all(|s| s.load(Ordering::Relaxed))
+                && !shared.draining.load(Ordering::Relaxed);
+            health(ready, "ready")
+        }
+        (Method::Get, "/metrics") => {
+            let mut text = String::with_capacity(16 * 1024);
+            shared.metrics.render(&mut text);
+            if let Some(extra) = &shared.render_extra {
+                text.push_str(&extra());
+            }
+            (Status::Ok, text)
+        }
+        (Method::Post, "/internal/drain") => {
+            shared.draining.store(true, Ordering::Relaxed);
+            tracing::info!("drain requested: readiness false, public listeners stop accepting");
+            (Status::Ok, json!({"draining": true}).to_string())
+        }
+        (Method::Post, "/admin/v1/activities") => create_activity(shard, body).await,
+        (Method::Get, path) if path.starts_with("/admin/v1/activities/") => {
+            match parse_sku_path(path) {
+                Some(key) => sku_status(shard, key).await,
+                None => not_found(),
+            }
+        }
+        _ => not_found(),
+    }
+}
+
+fn health(ok: bool, what: &str) -> (Status, String) {
+    let status = if ok { Status::Ok } else { Status::ServiceUnavailable };
+    (status, json!({ what: ok }).to_string())
+}
+
+fn not_found() -> (Status, String) {
+    (Status::NotFound, r#"{"state":"INVALID","reason_code":"NO_SUCH_ROUTE"}"#.to_owned())
+}
+
+fn error(status: Status, reason: &str) -> (Status, String) {
+    (status, json!({"state": "INVALID", "reason_code": reason}).to_string())
+}
+
+/// `/admin/v1/activities/{a}/skus/{s}`
+fn parse_sku_path(path: &str) -> Option<SkuKey> {
+    let rest = path.strip_prefix("/admin/v1/activities/")?;
+    let (a, rest) = rest.split_once('/')?;
+    let s = rest.strip_prefix("skus/")?;
+    Some(SkuKey::new(a.parse().ok()?, s.parse().ok()?))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    activity_id: i64,
+    sku_id: i64,
+    stock: i64,
+    start_at_ms: Option<i64>,
+    end_at_ms: Option<i64>,
+    reservation_ttl_ms: Option<i64>,
+    pay_timeout_ms: Option<i64>,
+    allocator: Option<String>,
+}
+
+fn validate(body: CreateBody) -> Result<ActivitySpec, &'static str> {
+    if body.activity_id <= 0 {
+        return Err("ACTIVITY_ID_INVALID");
+    }
+    if body.sku_id <= 0 {
+        return Err("SKU_ID_INVALID");
+    }
+    if !(0..=STOCK_MAX).contains(&body.stock) {
+        return Err("STOCK_INVALID");
+    }
+    // Defaults are fixed numbers, not "now": a retried call must hash to the same body.
+    let start_at_ms = body.start_at_ms.unwrap_or(0);
+    let end_at_ms = body.end_at_ms.unwrap_or_else(|| {
+        if start_at_ms == 0 { i64::from(i32::MAX) * 1000 } else { start_at_ms + DEFAULT_WINDOW_MS }
+    });
+    if start_at_ms < 0 || end_at_ms <= start_at_ms {
+        return Err("WINDOW_INVALID");
+    }
+    let reservation_ttl_ms = body.reservation_ttl_ms.unwrap_or(DEFAULT_RESERVATION_TTL_MS);
+    let pay_timeout_ms = body.pay_timeout_ms.unwrap_or(DEFAULT_PAY_TIMEOUT_MS);
+    if reservation_ttl_ms <= 0 || pay_timeout_ms <= 0 {
+        return Err("TIMEOUT_INVALID");
+    }
+    let allocator = match body.allocator.as_deref() {
+        None => Allocator::Token,
+        Some(text) => Allocator::parse(text).ok_or("ALLOCATOR_INVALID")?,
+    };
+    Ok(ActivitySpec {
+        activity_id: body.activity_id,
+        sku_id: body.sku_id,
+        stock: body.stock,
+        start_at_ms,
+        end_at_ms,
+        reservation_ttl_ms,
+        pay_timeout_ms,
+        allocator,
+    })
+}
+
+/// PostgreSQL rows and tokens first, then the Redis preheat, and only then `ACTIVE`: no buyer
+/// can see an active activity whose stock is not in Redis.
+async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
+    let parsed: CreateBody = match serde_json::from_slice(body) {
+        Ok(b) => b,
+        Err(_) => return error(Status::BadRequest, "BODY_INVALID"),
+    };
+    let spec = match validate(parsed) {
+        Ok(spec) => spec,
+        Err(reason) => return error(Status::BadRequest, reason),
+    };
+    let durable = shard.shared.durable.clone();
+    let wait = Duration::from_millis(ADMIN_PG_WAIT_MS);
+    let spec_for_pg = spec.clone();
+    let created = glommio::timer::timeout(wait, async {
+        Ok(durable
+            .call(|reply| DurableRequest::CreateActivity { spec: spec_for_pg, reply })
+            .await)
+    })
+    .await;
+    let outcome = match created {
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "create activity failed");
+            return error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE");
+        }
+        Err(_) => return error(Status::ServiceUnavailable, "POSTGRES_TIMEOUT"),
+    };
+    let fresh = match &outcome {
+        CreateActivity::Conflict => return error(Status::Conflict, "ACTIVITY_EXISTS_WITH_OTHER_BODY"),
+        CreateActivity::Created => true,
+        CreateActivity::Existing { status } => status == "PENDING",
+    };
+    if fresh || matches!(&outcome, CreateActivity::Existing { .. }) {
+        // Preheat is idempotent (same version → STALE, no change), so a retry after a crash
+        // between the steps completes the activation.
+        let key = SkuKey::new(spec.activity_id as u64, spec.sku_id as u64);
+        let keys = shard.sku_keys(key);
+        let args = PreheatArgs {
+            status: ActivityStatus::Active,
+            start_ms: spec.start_at_ms as u64,
+            end_ms: spec.end_at_ms as u64,
+            version: 1,
+            reservation_ttl_ms: spec.reservation_ttl_ms as u64,
+            stock: spec.stock as u64,
+        };
+        match shard.functions.preheat(&keys, &args).await {
+            Ok(PreheatReply::Applied { .. }) | Ok(PreheatReply::Stale { .. }) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "preheat failed");
+                return error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
+            }
+        }
+        let activity_id = spec.activity_id;
+        let marked = durable.call(|reply| DurableRequest::MarkActive { activity_id, reply }).await;
+        if marked.is_err() {
+            return error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE");
+        }
+    }
+    let status = if matches!(outcome, CreateActivity::Created) { Status::Created } else { Status::Ok };
+    (
+        status,
+        json!({
+            "activity_id": spec.activity_id,
+            "sku_id": spec.sku_id,
+            "stock": spec.stock,
+            "start_at_ms": spec.start_at_ms,
+            "end_at_ms": spec.end_at_ms,
+            "reservation_ttl_ms": spec.reservation_ttl_ms,
+            "pay_timeout_ms": spec.pay_timeout_ms,
+            "allocator": spec.allocator.as_str(),
+            "status": "ACTIVE",
+        })
+        .to_string(),
+    )
+}
+
+async fn sku_status(shard: &Rc<Shard>, key: SkuKey) -> (Status, String) {
+    let durable = shard.shared.durable.clone();
+    let config = durable
+        .call(|reply| DurableRequest::SkuConfig {
+            activity_id: key.activity_id as i64,
+            sku_id: key.sku_id as i64,
+            reply,
+        })
+        .await;
+    let config = match config {
+        Ok(Some(config)) => config,
+        Ok(None) => return not_found(),
+        Err(_) => return error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE"),
+    };
+    let keys = shard.sku_keys(key);
+    let client = shard.functions.client();
+    let stock = client.command(&[b"GET", keys.stock().as_bytes()]).await.ok();
+    let pending = client.command(&[b"ZCARD", keys.pending().as_bytes()]).await.ok();
+    let stuck = client.command(&[b"ZCARD", keys.stuck().as_bytes()]).await.ok();
+    let int = |r: Option<flashsale_io::resp::Reply>| {
+        r.and_then(|r| r.as_int().or_else(|| r.as_str().and_then(|s| s.parse().ok())))
+    };
+    (
+        Status::Ok,
+        json!({
+            "activity_id": key.activity_id,
+            "sku_id": key.sku_id,
+            "status": config.status,
+            "version": config.version,
+            "total_stock": config.total_stock,
+            "allocator": config.allocator,
+            "start_at_ms": config.start_at_ms,
+            "end_at_ms": config.end_at_ms,
+            "reservation_ttl_ms": config.reservation_ttl_ms,
+            "pay_timeout_ms": config.pay_timeout_ms,
+            "live": {
+                "redis_stock": int(stock),
+                "pending_reservations": int(pending),
+                "stuck_reservations": int(stuck),
+                "orders_created": config.orders_created,
+            }
+        })
+        .to_string(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sku_path_and_validation() {
+        assert_eq!(parse_sku_path("/admin/v1/activities/1/skus/2"), Some(SkuKey::new(1, 2)));
+        assert_eq!(parse_sku_path("/admin/v1/activities/1/skus/x"), None);
+        let body = |s: &str| serde_json::from_str::<CreateBody>(s).expect("json");
+        let spec = validate(body(r#"{"activity_id":1,"sku_id":2,"stock":10}"#)).expect("valid");
+        assert_eq!(spec.allocator, Allocator::Token);
+        assert_eq!(spec.reservation_ttl_ms, DEFAULT_RESERVATION_TTL_MS);
+        assert_eq!(
+            validate(body(r#"{"activity_id":1,"sku_id":2,"stock":-1}"#)),
+            Err("STOCK_INVALID")
+        );
+        assert_eq!(
+            validate(body(r#"{"activity_id":1,"sku_id":2,"stock":1,"start_at_ms":5,"end_at_ms":5}"#)),
+            Err("WINDOW_INVALID")
+        );
+        assert_eq!(
+            validate(body(r#"{"activity_id":1,"sku_id":2,"stock":1,"allocator":"X"}"#)),
+            Err("ALLOCATOR_INVALID")
+        );
+        assert!(serde_json::from_str::<CreateBody>(r#"{"activity_id":1,"sku_id":2,"stock":1,"x":1}"#).is_err());
+        assert!(constant_time_eq(b"abc", b"abc") && !constant_time_eq(b"abc", b"abd"));
+    }
+}

@@ -1,0 +1,473 @@
+//! The edge end to end: the engine in-process (2 shards, port 0) against private Redis, NATS
+//! and PostgreSQL, driven over real TCP with exact bytes. Every state of CONTRACT.md 3.2 and
+//! 3.3 that the edge produces on its own is reached and asserted here.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use flashsale_engine::auth::PassKeys;
+use flashsale_engine::ids::{ActivityId, UserId};
+use flashsale_engine::serve::{self, Pinning, ServeConfig, ServeHandle};
+use flashsale_tests::{HttpClient, PrivateNats, PrivateRedis, TestDb};
+
+const KEYS: &str = "k1:0123456789abcdef0123456789abcdef";
+
+struct Engine {
+    handle: Option<ServeHandle>,
+    redis: PrivateRedis,
+    nats: PrivateNats,
+    _db: TestDb,
+    keys: PassKeys,
+}
+
+impl Engine {
+    fn start() -> Engine {
+        Engine::start_with(|_| {})
+    }
+
+    fn start_with(tune: impl FnOnce(&mut ServeConfig)) -> Engine {
+        let redis = flashsale_tests::redis();
+        let nats = flashsale_tests::nats();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let db = runtime.block_on(async {
+            let db = flashsale_tests::pg_database().await;
+            let (mut client, conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
+            let driver = tokio::spawn(conn);
+            flashsale_pg_worker::migrate(&mut client).await.unwrap();
+            drop(client);
+            let _ = driver.await;
+            db
+        });
+        let mut config = ServeConfig {
+            shards: 2,
+            pins: Vec::new(),
+            pinning: Pinning::Unpinned,
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            admin_addr: "127.0.0.1:0".parse().unwrap(),
+            pass_keys: PassKeys::parse(KEYS).unwrap(),
+            admin_token: None,
+            edge: serve::default_edge_config(redis.addr()),
+            durable: serve::default_durable_config(&db.url, &nats.url()),
+            io_memory_bytes: 256 << 10,
+            render_extra: None,
+        };
+        tune(&mut config);
+        let handle = serve::start(config).expect("engine starts");
+        let keys = PassKeys::parse(KEYS).unwrap();
+        Engine { handle: Some(handle), redis, nats, _db: db, keys }
+    }
+
+    fn http(&self) -> SocketAddr {
+        self.handle.as_ref().unwrap().http_addr
+    }
+
+    fn admin(&self) -> SocketAddr {
+        self.handle.as_ref().unwrap().admin_addr
+    }
+
+    fn pass(&self, user: u64, activity: u64) -> String {
+        let exp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 3600;
+        self.keys.mint("k1", UserId(user), ActivityId(activity), exp).unwrap()
+    }
+
+    fn create_activity(&self, activity: u64, sku: u64, stock: u64) {
+        let mut admin = HttpClient::connect(self.admin());
+        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock}}}"#);
+        let resp = admin.request("POST", "/admin/v1/activities", None, Some(&body));
+        assert_eq!(resp.status, 201, "{}", resp.body);
+    }
+
+    fn submit(&self, client: &mut HttpClient, user: u64, activity: u64, sku: u64, request_id: &str) -> (u16, serde_json::Value) {
+        let pass = self.pass(user, activity);
+        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{request_id}","quantity":1}}"#);
+        let resp = client.request("POST", "/v1/reservations", Some(&pass), Some(&body));
+        (resp.status, resp.json())
+    }
+
+    fn query(&self, client: &mut HttpClient, user: u64, activity: u64, sku: u64, request_id: &str) -> (u16, serde_json::Value) {
+        let pass = self.pass(user, activity);
+        let path = format!("/v1/reservations/{request_id}?activity_id={activity}&sku_id={sku}");
+        let resp = client.request("GET", &path, Some(&pass), None);
+        (resp.status, resp.json())
+    }
+
+    fn metrics(&self) -> String {
+        HttpClient::connect(self.admin()).request("GET", "/metrics", None, None).body
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            handle.shutdown();
+        }
+    }
+}
+
+fn state(v: &serde_json::Value) -> &str {
+    v["state"].as_str().unwrap_or("")
+}
+
+fn metric(text: &str, line_prefix: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("metric {line_prefix} missing"))
+}
+
+#[test]
+fn reserve_replay_conflict_duplicate_user_and_sell_out() {
+    let engine = Engine::start();
+    engine.create_activity(10001, 20001, 2);
+    let mut c = HttpClient::connect(engine.http());
+
+    let (status, first) = engine.submit(&mut c, 1, 10001, 20001, "req-a");
+    assert_eq!((status, state(&first)), (202, "QUEUED"), "{first}");
+    let resv = first["reservation_id"].as_str().unwrap().to_string();
+    assert!(resv.starts_with("resv_"), "{resv}");
+    assert_eq!(first["request_id"], "req-a");
+
+    // Replay: same ids, replayed.
+    let (status, again) = engine.submit(&mut c, 1, 10001, 20001, "req-a");
+    assert_eq!((status, state(&again)), (202, "QUEUED"));
+    assert_eq!(again["reservation_id"], resv.as_str());
+    assert_eq!(again["replayed"], true);
+
+    // Same request id, another user (a different payload): conflict.
+    let (status, conflict) = engine.submit(&mut c, 2, 10001, 20001, "req-a");
+    assert_eq!((status, state(&conflict)), (409, "IDEMPOTENCY_CONFLICT"));
+
+    // Same user, new request id: duplicate user with the first reservation.
+    let (status, dup) = engine.submit(&mut c, 1, 10001, 20001, "req-b");
+    assert_eq!((status, state(&dup)), (200, "DUPLICATE_USER"));
+    assert_eq!(dup["reservation_id"], resv.as_str());
+
+    // The last unit, then sold out.
+    let (status, last) = engine.submit(&mut c, 3, 10001, 20001, "req-c");
+    assert_eq!((status, state(&last)), (202, "QUEUED"));
+    let (status, sold) = engine.submit(&mut c, 4, 10001, 20001, "req-d");
+    assert_eq!((status, state(&sold)), (200, "SOLD_OUT"));
+
+    // After sell-out, on fresh connections (either shard): replays still get their reservation
+    // without Redis, new requests get SOLD_OUT.
+    let fast_before = metric(&engine.metrics(), "flashsale_sold_out_fast_path_total");
+    for _ in 0..6 {
+        let mut c2 = HttpClient::connect(engine.http());
+        let (status, replay) = engine.submit(&mut c2, 1, 10001, 20001, "req-a");
+        assert_eq!((status, state(&replay)), (202, "QUEUED"), "{replay}");
+        assert_eq!(replay["reservation_id"], resv.as_str());
+        assert_eq!(replay["replayed"], true);
+        let (_, sold) = engine.submit(&mut c2, 50, 10001, 20001, "req-z");
+        assert_eq!(state(&sold), "SOLD_OUT");
+    }
+    let fast_after = metric(&engine.metrics(), "flashsale_sold_out_fast_path_total");
+    assert!(fast_after >= fast_before + 6, "fast path not used: {fast_before} -> {fast_after}");
+
+    // Redis agrees: stock 0, two reservations pending, both marked sent.
+    let stock = redis_cmd(&engine.redis, &["GET", "seckill:{10001:20001}:stock"]);
+    assert_eq!(stock, "0");
+}
+
+#[test]
+fn unauthorized_invalid_and_inactive() {
+    let engine = Engine::start();
+    engine.create_activity(7, 8, 5);
+    let mut c = HttpClient::connect(engine.http());
+    let body = r#"{"activity_id":7,"sku_id":8,"request_id":"r1","quantity":1}"#;
+    // No pass, a forged pass, a pass for another activity.
+    let resp = c.request("POST", "/v1/reservations", None, Some(body));
+    assert_eq!((resp.status, state(&resp.json())), (401, "UNAUTHORIZED"));
+    let resp = c.request("POST", "/v1/reservations", Some("v1.k1.1.7.9999999999.AAAA"), Some(body));
+    assert_eq!((resp.status, state(&resp.json())), (401, "UNAUTHORIZED"));
+    let other = engine.pass(1, 9);
+    let resp = c.request("POST", "/v1/reservations", Some(&other), Some(body));
+    assert_eq!((resp.status, state(&resp.json())), (401, "UNAUTHORIZED"));
+    // Bad bodies.
+    let pass = engine.pass(1, 7);
+    for (bad, reason) in [
+        ("{", "BODY_NOT_JSON"),
+        (r#"{"activity_id":7,"sku_id":8,"request_id":"r 1","quantity":1}"#, "REQUEST_ID_INVALID"),
+        (r#"{"activity_id":7,"sku_id":8,"request_id":"r1","quantity":2}"#, "QUANTITY_INVALID"),
+    ] {
+        let resp = c.request("POST", "/v1/reservations", Some(&pass), Some(bad));
+        let v = resp.json();
+        assert_eq!((resp.status, state(&v)), (400, "INVALID"), "{bad}");
+        assert_eq!(v["reason_code"], reason);
+    }
+    // An activity that was never created.
+    let pass = engine.pass(1, 404);
+    let resp = c.request(
+        "POST",
+        "/v1/reservations",
+        Some(&pass),
+        Some(r#"{"activity_id":404,"sku_id":1,"request_id":"r1","quantity":1}"#),
+    );
+    assert_eq!((resp.status, state(&resp.json())), (200, "ACTIVITY_NOT_ACTIVE"));
+    // Unknown route and method.
+    assert_eq!(c.request("GET", "/nope", None, None).status, 404);
+    assert_eq!(c.request("GET", "/v1/reservations", None, None).status, 405);
+}
+
+#[test]
+fn query_own_request_only_and_not_found() {
+    let engine = Engine::start();
+    engine.create_activity(11, 12, 5);
+    let mut c = HttpClient::connect(engine.http());
+    let (status, _) = engine.submit(&mut c, 5, 11, 12, "q-1");
+    assert_eq!(status, 202);
+    let (status, mine) = engine.query(&mut c, 5, 11, 12, "q-1");
+    assert_eq!((status, state(&mine)), (200, "QUEUING"), "{mine}");
+    assert!(mine["reservation_id"].as_str().unwrap().starts_with("resv_"));
+    // Another user cannot see it.
+    let (status, theirs) = engine.query(&mut c, 6, 11, 12, "q-1");
+    assert_eq!((status, state(&theirs)), (404, "NOT_FOUND"));
+    // Unknown in Redis and in PostgreSQL: NOT_FOUND (both stores answered).
+    let (status, none) = engine.query(&mut c, 5, 11, 12, "never-sent");
+    assert_eq!((status, state(&none)), (404, "NOT_FOUND"));
+    // Missing query parameters.
+    let pass = engine.pass(5, 11);
+    let resp = c.request("GET", "/v1/reservations/q-1", Some(&pass), None);
+    assert_eq!((resp.status, state(&resp.json())), (400, "INVALID"));
+}
+
+#[test]
+fn redis_down_is_system_busy_and_query_unknown_then_recovers() {
+    let mut engine = Engine::start();
+    engine.create_activity(21, 22, 5);
+    let mut c = HttpClient::connect(engine.http());
+    let (status, _) = engine.submit(&mut c, 1, 21, 22, "before");
+    assert_eq!(status, 202);
+    engine.redis.kill();
+    let (status, busy) = engine.submit(&mut c, 2, 21, 22, "during");
+    assert_eq!((status, state(&busy)), (503, "SYSTEM_BUSY"), "{busy}");
+    // Redis cannot be asked and PostgreSQL has not seen the request (no worker here):
+    // UNKNOWN, never NOT_FOUND.
+    let (status, unknown) = engine.query(&mut c, 1, 21, 22, "before");
+    assert_eq!((status, state(&unknown)), (503, "UNKNOWN"), "{unknown}");
+    engine.redis.restart();
+    // The restarted Redis is empty (no persistence): reload the activity, the client
+    // reconnects by itself and the library is reloaded on "function not found".
+    // Until the client's reconnect backoff (≤ 2 s) fires, the admin call fails closed.
+    let mut admin = HttpClient::connect(engine.admin());
+    let body = r#"{"activity_id":21,"sku_id":22,"stock":5}"#;
+    let mut preheated = false;
+    for _ in 0..50 {
+        let resp = admin.request("POST", "/admin/v1/activities", None, Some(body));
+        if resp.status == 200 {
+            preheated = true;
+            break;
+        }
+        assert_eq!((resp.status, resp.json()["reason_code"].as_str()), (503, Some("REDIS_UNAVAILABLE")));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(preheated, "admin could not preheat after Redis came back");
+    let mut ok = false;
+    for i in 0..50 {
+        let (status, v) = engine.submit(&mut c, 100 + i, 21, 22, &format!("after-{i}"));
+        if status == 202 {
+            ok = true;
+            break;
+        }
+        assert_eq!(state(&v), "SYSTEM_BUSY");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(ok, "engine did not recover after Redis came back");
+}
+
+#[test]
+fn nats_down_is_queued_pending() {
+    let mut engine = Engine::start();
+    engine.create_activity(31, 32, 5);
+    let mut c = HttpClient::connect(engine.http());
+    engine.nats.kill();
+    let (status, pending) = engine.submit(&mut c, 1, 31, 32, "p-1");
+    assert_eq!((status, state(&pending)), (202, "QUEUED_PENDING"), "{pending}");
+    // Reserved in Redis and waiting for the scanner: status PENDING_MESSAGE, in `pending`.
+    let resv = pending["reservation_id"].as_str().unwrap();
+    let status = redis_cmd(&engine.redis, &["HGET", &format!("seckill:{{31:32}}:resv:{resv}"), "status"]);
+    assert_eq!(status, "PENDING_MESSAGE");
+    let score = redis_cmd(&engine.redis, &["ZSCORE", "seckill:{31:32}:resv:pending", resv]);
+    assert!(!score.is_empty());
+    // The replay says the same thing: the first result.
+    let (status, again) = engine.submit(&mut c, 1, 31, 32, "p-1");
+    assert_eq!((status, state(&again)), (202, "QUEUED_PENDING"));
+    assert_eq!(again["replayed"], true);
+}
+
+#[test]
+fn redis_timeout_after_write_is_unknown() {
+    let engine = Engine::start();
+    engine.create_activity(41, 42, 5);
+    let mut c = HttpClient::connect(engine.http());
+    // Pause write commands longer than the command deadline (250 ms): FCALL reserve is
+    // written but not answered in time.
+    redis_cmd(&engine.redis, &["CLIENT", "PAUSE", "1500", "WRITE"]);
+    let (status, unknown) = engine.submit(&mut c, 1, 41, 42, "u-1");
+    assert_eq!((status, state(&unknown)), (503, "UNKNOWN"), "{unknown}");
+    std::thread::sleep(Duration::from_millis(1600));
+    // The retry with the same request id finds what the script did (or does it now).
+    let (status, retry) = engine.submit(&mut c, 1, 41, 42, "u-1");
+    assert_eq!(status, 202, "{retry}");
+    let stock = redis_cmd(&engine.redis, &["GET", "seckill:{41:42}:stock"]);
+    assert_eq!(stock, "4", "exactly one unit reserved for the request");
+}
+
+#[test]
+fn requests_cross_shards_and_pipelining_is_ordered() {
+    let engine = Engine::start();
+    // One (activity, sku) owned by each shard (the admin API holds one SKU per activity).
+    let table = flashsale_engine::router::PartitionTable::new(2, &[]).unwrap();
+    let mut owned: [Option<(u64, u64)>; 2] = [None, None];
+    for activity in 51..200u64 {
+        let owner = table.owner(flashsale_engine::router::SkuKey::new(activity, 1));
+        owned[owner].get_or_insert((activity, 1));
+    }
+    let skus = [owned[0].unwrap(), owned[1].unwrap()];
+    for (activity, sku) in skus {
+        engine.create_activity(activity, sku, 100);
+    }
+    // Several connections (the kernel spreads them over both shards), each hitting both.
+    for conn in 0..8u64 {
+        let mut c = HttpClient::connect(engine.http());
+        for (i, (activity, sku)) in skus.iter().enumerate() {
+            let user = conn * 10 + i as u64 + 1;
+            let (status, v) = engine.submit(&mut c, user, *activity, *sku, &format!("x-{conn}-{i}"));
+            assert_eq!(status, 202, "{v}");
+        }
+    }
+    let forwarded = metric(&engine.metrics(), "flashsale_mesh_forwarded_total");
+    assert!(forwarded > 0, "no request crossed shards");
+
+    // Pipelining: three requests in one write, answered in order.
+    let (activity, sku) = skus[0];
+    let mut c = HttpClient::connect(engine.http());
+    let pass = engine.pass(900, activity);
+    let mut raw = String::new();
+    for id in ["pipe-1", "pipe-2", "pipe-3"] {
+        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{id}","quantity":1}}"#);
+        raw.push_str(&format!(
+            "POST /v1/reservations HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {pass}\r\nx-request-id: {id}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ));
+    }
+    c.send_raw(raw.as_bytes());
+    let states: Vec<(String, String)> = (0..3)
+        .map(|_| {
+            let r = c.read_response().unwrap();
+            (r.header("x-request-id").unwrap().to_string(), state(&r.json()).to_string())
+        })
+        .collect();
+    assert_eq!(states[0], ("pipe-1".to_string(), "QUEUED".to_string()));
+    assert_eq!(states[1], ("pipe-2".to_string(), "DUPLICATE_USER".to_string()));
+    assert_eq!(states[2], ("pipe-3".to_string(), "DUPLICATE_USER".to_string()));
+}
+
+#[test]
+fn framing_attacks_and_limits_are_rejected_and_closed() {
+    let engine = Engine::start();
+    let cases: [(&str, u16); 5] = [
+        ("POST /v1/reservations HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+        ("POST /v1/reservations HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", 400),
+        ("GET / HTTP/1.1\r\n\r\n", 400),
+        ("POST /v1/reservations HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n", 413),
+        ("GET / HTTP/1.1\r\nHost: t\r\n X-Folded: yes\r\n\r\n", 400),
+    ];
+    for (raw, status) in cases {
+        let mut c = HttpClient::connect(engine.http());
+        c.send_raw(raw.as_bytes());
+        let resp = c.read_response().expect("an answer before the close");
+        assert_eq!(resp.status, status, "{raw:?}: {}", resp.body);
+        assert_eq!(resp.header("connection"), Some("close"));
+        assert!(c.is_closed(), "connection must close after {raw:?}");
+    }
+    // 20 KiB of headers without an end: 431 as soon as the limit passes.
+    let mut c = HttpClient::connect(engine.http());
+    let mut raw = String::from("GET / HTTP/1.1\r\nHost: t\r\n");
+    while raw.len() < 20 * 1024 {
+        raw.push_str("X-Pad: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n");
+    }
+    c.send_raw(raw.as_bytes());
+    assert_eq!(c.read_response().unwrap().status, 431);
+}
+
+#[test]
+fn admin_plane_health_metrics_and_idempotent_create() {
+    let engine = Engine::start();
+    let mut a = HttpClient::connect(engine.admin());
+    assert_eq!(a.request("GET", "/livez", None, None).status, 200);
+    assert_eq!(a.request("GET", "/startupz", None, None).status, 200);
+    assert_eq!(a.request("GET", "/readyz", None, None).status, 200);
+    let body = r#"{"activity_id":61,"sku_id":62,"stock":3}"#;
+    assert_eq!(a.request("POST", "/admin/v1/activities", None, Some(body)).status, 201);
+    assert_eq!(a.request("POST", "/admin/v1/activities", None, Some(body)).status, 200);
+    let other = r#"{"activity_id":61,"sku_id":62,"stock":4}"#;
+    assert_eq!(a.request("POST", "/admin/v1/activities", None, Some(other)).status, 409);
+    let sku = a.request("GET", "/admin/v1/activities/61/skus/62", None, None);
+    assert_eq!(sku.status, 200, "{}", sku.body);
+    let v = sku.json();
+    assert_eq!(v["total_stock"], 3);
+    assert_eq!(v["status"], "ACTIVE");
+    assert_eq!(v["live"]["redis_stock"], 3);
+    let metrics = a.request("GET", "/metrics", None, None);
+    assert!(metrics.header("content-type").unwrap().starts_with("text/plain"));
+    assert!(metrics.body.contains("flashsale_requests_total{route=\"submit\",state=\"QUEUED\"}"));
+    // Drain: readiness false, liveness unaffected.
+    assert_eq!(a.request("POST", "/internal/drain", None, None).status, 200);
+    assert_eq!(a.request("GET", "/readyz", None, None).status, 503);
+    assert_eq!(a.request("GET", "/livez", None, None).status, 200);
+}
+
+#[test]
+fn admin_token_is_required_when_set() {
+    let engine = Engine::start_with(|c| c.admin_token = Some("s3cret-token".into()));
+    let mut a = HttpClient::connect(engine.admin());
+    assert_eq!(a.request("GET", "/metrics", None, None).status, 401);
+    assert_eq!(a.request("GET", "/metrics", Some("wrong-token!"), None).status, 401);
+    assert_eq!(a.request("GET", "/metrics", Some("s3cret-token"), None).status, 200);
+}
+
+/// A synchronous Redis command through redis-cli (test-only inspection).
+fn redis_cmd(redis: &PrivateRedis, args: &[&str]) -> String {
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port().to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn admission_bound_is_overloaded_and_user_limit_is_rate_limited() {
+    let engine = Engine::start_with(|c| {
+        // One Redis attempt per second for the SKU, and a user may send 3 requests at once.
+        c.edge.partition.attempts_burst = 1;
+        c.edge.partition.attempts_per_s = 1;
+        c.edge.user_rate = flashsale_engine::limiter::Rate { per_s: 1, burst: 3 };
+    });
+    engine.create_activity(71, 72, 10);
+    let mut c = HttpClient::connect(engine.http());
+    let (status, first) = engine.submit(&mut c, 1, 71, 72, "o-1");
+    assert_eq!((status, state(&first)), (202, "QUEUED"), "{first}");
+    let pass = engine.pass(2, 71);
+    let body = r#"{"activity_id":71,"sku_id":72,"request_id":"o-2","quantity":1}"#;
+    let resp = c.request("POST", "/v1/reservations", Some(&pass), Some(body));
+    assert_eq!((resp.status, state(&resp.json())), (429, "OVERLOADED"), "{}", resp.body);
+    assert!(resp.header("retry-after").is_some());
+    assert!(resp.json()["retry_after_ms"].as_u64().is_some());
+    // Nothing was reserved for the refused request.
+    assert_eq!(redis_cmd(&engine.redis, &["GET", "seckill:{71:72}:stock"]), "9");
+
+    // User 3 on one connection (one shard): the 4th request within the burst is limited.
+    let mut c = HttpClient::connect(engine.http());
+    let mut states = Vec::new();
+    for i in 0..4 {
+        let (status, v) = engine.submit(&mut c, 3, 71, 72, &format!("rl-{i}"));
+        states.push((status, state(&v).to_string()));
+    }
+    assert_eq!(states[3], (429, "RATE_LIMITED".to_string()), "{states:?}");
+}
