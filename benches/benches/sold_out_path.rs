@@ -9,7 +9,9 @@ use bytes::BytesMut;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use flashsale_engine::api;
 use flashsale_engine::auth::PassKeys;
-use flashsale_engine::http::{parse_request, write_response, Parsed, ResponseHead, StateBody, Status};
+use flashsale_engine::http::{
+    parse_request, write_response, Parsed, ResponseHead, StateBody, Status,
+};
 use flashsale_engine::ids::{ActivityId, UserId};
 use flashsale_engine::outcome::SubmitOutcome;
 use flashsale_engine::partition::{
@@ -69,12 +71,8 @@ fn bench(c: &mut Criterion) {
     let keys = PassKeys::parse("k1:0123456789abcdef0123456789abcdef").expect("keys");
     let pass = keys.mint("k1", UserId(30001), ActivityId(10001), 1_900_000_000).expect("mint");
     // A sold-out SKU whose replica knows 10,000 accepted requests.
-    let replay_hash = api::payload_hash(
-        ActivityId(10001),
-        flashsale_engine::ids::SkuId(20001),
-        UserId(30001),
-        1,
-    );
+    let replay_hash =
+        api::payload_hash(ActivityId(10001), flashsale_engine::ids::SkuId(20001), UserId(30001), 1);
     let mut accepted = AcceptedMap::new();
     for i in 0..10_000 {
         let hash: Arc<str> = if i == 0 { Arc::from(replay_hash.as_str()) } else { Arc::from("x") };

@@ -178,9 +178,10 @@ impl Config {
                     name: "FLASHSALE_SHARDS",
                     message: format!("{text:?} is not a number"),
                 })?,
-                None => file.engine.and_then(|e| e.shards).unwrap_or_else(|| {
-                    std::thread::available_parallelism().map_or(1, |n| n.get())
-                }),
+                None => file
+                    .engine
+                    .and_then(|e| e.shards)
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             },
         };
         if shards == 0 || shards > crate::router::SHARDS_MAX {
@@ -300,11 +301,13 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("p.toml");
         std::fs::write(&path, "[engine]\nshards = 2\npins = [\"10001:20001=1\"]\n").expect("w");
-        let c = Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        let c =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
         assert_eq!(c.shards, 2);
         assert_eq!(c.pins, vec![(crate::router::SkuKey::new(10001, 20001), 1)]);
         std::fs::write(&path, "[engine]\npins = [\"10001-20001\"]\n").expect("w");
-        let err = Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
+        let err =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
         assert!(err.to_string().contains("pins"), "{err}");
         let e = env(&[("FLASHSALE_SHARDS", "0")]);
         let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();

@@ -42,7 +42,10 @@ pub struct DurableConfig {
 
 /// What the shards can ask for.
 pub enum DurableRequest {
-    Publish { message: Box<OrderCreate>, reply: oneshot::Sender<Result<PublishAck, LogError>> },
+    Publish {
+        message: Box<OrderCreate>,
+        reply: oneshot::Sender<Result<PublishAck, LogError>>,
+    },
     FindReservation {
         activity_id: i64,
         sku_id: i64,
@@ -50,8 +53,14 @@ pub enum DurableRequest {
         request_id: String,
         reply: oneshot::Sender<Result<Option<ReservationRecord>, DurableError>>,
     },
-    CreateActivity { spec: ActivitySpec, reply: oneshot::Sender<Result<CreateActivity, DurableError>> },
-    MarkActive { activity_id: i64, reply: oneshot::Sender<Result<(), DurableError>> },
+    CreateActivity {
+        spec: ActivitySpec,
+        reply: oneshot::Sender<Result<CreateActivity, DurableError>>,
+    },
+    MarkActive {
+        activity_id: i64,
+        reply: oneshot::Sender<Result<(), DurableError>>,
+    },
     SkuConfig {
         activity_id: i64,
         sku_id: i64,
@@ -99,27 +108,42 @@ impl DurableHandle {
 /// The running durable side: its thread and the handle to stop it.
 pub struct Durable {
     thread: Option<JoinHandle<()>>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Durable {
     /// Connects to NATS (ensuring streams and consumers) and PostgreSQL, then serves requests
     /// on its own runtime. Fails when a dependency cannot be reached at start.
-    pub fn start(config: DurableConfig) -> anyhow::Result<(Durable, DurableHandle)> {
+    /// `sync` = where `redis-sync` hands events (None: no `redis-sync` in this process).
+    pub fn start(
+        config: DurableConfig,
+        sync: Option<crate::sync::SyncTargets>,
+    ) -> anyhow::Result<(Durable, DurableHandle)> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.threads.max(1))
             .thread_name("durable")
             .enable_all()
             .build()?;
         let (tx, rx) = mpsc::channel(config.queue_max);
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("durable-main".into()).spawn(move || {
             runtime.block_on(async move {
                 match connect(&config).await {
-                    Ok((publisher, pool)) => {
+                    Ok((log, publisher, pool)) => {
                         let _ = ready_tx.send(Ok(()));
+                        let sync_task = sync.map(|targets| {
+                            tokio::spawn(crate::sync::run(
+                                log,
+                                publisher.clone(),
+                                targets,
+                                stop_rx.clone(),
+                            ))
+                        });
                         serve(config, publisher, pool, rx, stop_rx).await;
+                        if let Some(task) = sync_task {
+                            let _ = task.await;
+                        }
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -146,7 +170,7 @@ impl Durable {
 
     fn stop_and_join(&mut self) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            let _ = stop.send(true);
         }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -160,7 +184,7 @@ impl Drop for Durable {
     }
 }
 
-async fn connect(config: &DurableConfig) -> anyhow::Result<(Publisher, Pool)> {
+async fn connect(config: &DurableConfig) -> anyhow::Result<(Log, Publisher, Pool)> {
     let log = Log::connect(&config.log).await?;
     log.ensure_streams().await?;
     log.ensure_consumers().await?;
@@ -179,7 +203,8 @@ async fn connect(config: &DurableConfig) -> anyhow::Result<(Publisher, Pool)> {
     // Prove the database answers now rather than on the first buyer's query.
     let client = pool.get().await.map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
     client.simple_query("SELECT 1").await?;
-    Ok((log.publisher(), pool))
+    let publisher = log.publisher();
+    Ok((log, publisher, pool))
 }
 
 async fn serve(
@@ -187,14 +212,14 @@ async fn serve(
     publisher: Publisher,
     pool: Pool,
     mut rx: mpsc::Receiver<DurableRequest>,
-    mut stop: tokio::sync::oneshot::Receiver<()>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let permits = Arc::new(Semaphore::new(config.in_flight_max));
     let pg_timeout = Duration::from_millis(config.pg_timeout_ms);
     loop {
         let request = tokio::select! {
             request = rx.recv() => match request { Some(r) => r, None => break },
-            _ = &mut stop => break,
+            _ = stop.changed() => break,
         };
         // Bounded concurrency: waiting here backs the queue up, and a full queue is an
         // immediate answer on the shard.

@@ -20,3 +20,4 @@ pub mod router;
 pub mod serve;
 pub mod shard;
 pub mod stack;
+pub mod sync;

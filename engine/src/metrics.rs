@@ -48,8 +48,8 @@ fn query_index(outcome: QueryOutcome) -> usize {
 
 /// Upper bounds (seconds) of the latency histograms: 50 µs .. 10 s.
 const BUCKETS_S: [f64; 16] = [
-    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-    0.5, 1.0, 2.5, 10.0,
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 10.0,
 ];
 
 /// A fixed-bucket histogram; one writer (its shard), many readers (the scrape).
@@ -162,8 +162,11 @@ impl EdgeMetrics {
             ("timeout", |s| &s.publish_timeout),
             ("error", |s| &s.publish_error),
         ] {
-            let _ =
-                writeln!(out, "flashsale_publish_total{{outcome=\"{outcome}\"}} {}", self.sum(field));
+            let _ = writeln!(
+                out,
+                "flashsale_publish_total{{outcome=\"{outcome}\"}} {}",
+                self.sum(field)
+            );
         }
         self.render_histogram(out, "flashsale_request_latency_seconds", |s| &s.request_latency);
         self.render_histogram(out, "flashsale_lua_latency_seconds", |s| &s.lua_latency);
@@ -173,7 +176,8 @@ impl EdgeMetrics {
         let _ = writeln!(out, "# TYPE {name} histogram");
         let mut cumulative = 0u64;
         for (i, bound) in BUCKETS_S.iter().enumerate() {
-            cumulative += self.shards.iter().map(|s| h(s).buckets[i].load(Ordering::Relaxed)).sum::<u64>();
+            cumulative +=
+                self.shards.iter().map(|s| h(s).buckets[i].load(Ordering::Relaxed)).sum::<u64>();
             let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
         }
         let count: u64 = self.shards.iter().map(|s| h(s).count.load(Ordering::Relaxed)).sum();

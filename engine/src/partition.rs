@@ -116,7 +116,9 @@ pub enum SubmitPlan {
     NotActive,
     SoldOut,
     /// The per-SKU admission bound is full; answer `OVERLOADED` with this Retry-After.
-    Overloaded { retry_after_ms: u32 },
+    Overloaded {
+        retry_after_ms: u32,
+    },
     /// Call `reserve`; hand the permit back with the result.
     CallRedis(Permit),
 }
@@ -301,13 +303,18 @@ impl SkuPartition {
     /// Whether the owner should re-read `stock` now (only while sold out: that is the flag
     /// that can go stale when another instance returned stock).
     pub fn stock_check_due(&self, now_ms: u64) -> bool {
-        self.sold_out && now_ms.saturating_sub(self.stock_checked_ms) >= self.limits.stock_recheck_ms
+        self.sold_out
+            && now_ms.saturating_sub(self.stock_checked_ms) >= self.limits.stock_recheck_ms
     }
 
     /// The result of a stock re-read: positive stock clears a stale sold-out flag.
     pub fn on_stock_observed(&mut self, stock: i64, now_ms: u64) -> Option<ReplicaUpdate> {
         self.stock_checked_ms = now_ms;
-        if stock > 0 { self.set_sold_out(false) } else { None }
+        if stock > 0 {
+            self.set_sold_out(false)
+        } else {
+            None
+        }
     }
 
     fn set_sold_out(&mut self, sold_out: bool) -> Option<ReplicaUpdate> {

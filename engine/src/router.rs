@@ -64,7 +64,10 @@ pub struct PartitionTable {
 
 impl PartitionTable {
     /// Round-robin: partition `p` → shard `p mod shards`; `pins` override single SKUs.
-    pub fn new(shard_count: usize, pins: &[(SkuKey, usize)]) -> Result<PartitionTable, RouterError> {
+    pub fn new(
+        shard_count: usize,
+        pins: &[(SkuKey, usize)],
+    ) -> Result<PartitionTable, RouterError> {
         if shard_count == 0 || shard_count > SHARDS_MAX {
             return Err(RouterError::ShardCount(shard_count));
         }

@@ -45,7 +45,8 @@ pub struct ServeConfig {
 
 /// Resolves `redis://host:port[/db]` to the address of its (single) node.
 pub fn redis_addr(url: &str) -> anyhow::Result<SocketAddr> {
-    let rest = url.strip_prefix("redis://").context("FLASHSALE_REDIS_URL must start with redis://")?;
+    let rest =
+        url.strip_prefix("redis://").context("FLASHSALE_REDIS_URL must start with redis://")?;
     let first = rest.split(',').next().unwrap_or(rest);
     let host_port = first.split('/').next().unwrap_or(first);
     let host_port = host_port.rsplit('@').next().unwrap_or(host_port);
@@ -136,7 +137,10 @@ impl Drop for ServeHandle {
 pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     let shard_count = config.shards;
     let table = PartitionTable::new(shard_count, &config.pins)?;
-    let (durable, durable_handle) = Durable::start(config.durable.clone())?;
+    let (sync_senders, sync_receivers): (Vec<_>, Vec<_>) =
+        (0..shard_count).map(|_| tokio::sync::mpsc::channel(config.edge.mesh_capacity)).unzip();
+    let targets = crate::sync::SyncTargets { table: table.clone(), shards: sync_senders };
+    let (durable, durable_handle) = Durable::start(config.durable.clone(), Some(targets))?;
     let shared = Arc::new(EdgeShared {
         config: config.edge.clone(),
         table,
@@ -153,7 +157,7 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     });
     let mesh = MeshBuilder::full(shard_count, config.edge.mesh_capacity);
     let mut executors = Vec::with_capacity(shard_count);
-    for id in 0..shard_count {
+    for (id, sync_rx) in sync_receivers.into_iter().enumerate() {
         let placement = match config.pinning {
             Pinning::PinPerCore => Placement::Fixed(id),
             Pinning::Unpinned => Placement::Unbound,
@@ -165,6 +169,7 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
             http_addr: config.http_addr,
             admin_addr: config.admin_addr,
             id_seed: rand::random(),
+            sync_rx: Some(sync_rx),
         };
         let handle = LocalExecutorBuilder::new(placement)
             .name(&format!("shard-{id}"))

@@ -128,7 +128,10 @@ fn serve_refuses_to_start_without_pass_keys() {
         .expect("run serve");
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("FLASHSALE_PASS_KEYS") && stderr.contains("--insecure-dev-auth"), "{stderr}");
+    assert!(
+        stderr.contains("FLASHSALE_PASS_KEYS") && stderr.contains("--insecure-dev-auth"),
+        "{stderr}"
+    );
 
     // A malformed key list is refused with the variable named.
     let out = flashsale()
@@ -142,7 +145,14 @@ fn serve_refuses_to_start_without_pass_keys() {
 
     // An admin listener off loopback needs a token.
     let out = flashsale()
-        .args(["serve", "--no-pin", "--insecure-dev-auth", "--admin-addr", "0.0.0.0:0", "--stack-dir"])
+        .args([
+            "serve",
+            "--no-pin",
+            "--insecure-dev-auth",
+            "--admin-addr",
+            "0.0.0.0:0",
+            "--stack-dir",
+        ])
         .arg(root.path())
         .env_remove("FLASHSALE_ADMIN_TOKEN")
         .output()

@@ -31,7 +31,8 @@ impl Engine {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let db = runtime.block_on(async {
             let db = flashsale_tests::pg_database().await;
-            let (mut client, conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
+            let (mut client, conn) =
+                tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
             let driver = tokio::spawn(conn);
             flashsale_pg_worker::migrate(&mut client).await.unwrap();
             drop(client);
@@ -66,11 +67,9 @@ impl Engine {
     }
 
     fn pass(&self, user: u64, activity: u64) -> String {
-        let exp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs()
-            + 3600;
+        let exp =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
+                + 3600;
         self.keys.mint("k1", UserId(user), ActivityId(activity), exp).unwrap()
     }
 
@@ -81,14 +80,30 @@ impl Engine {
         assert_eq!(resp.status, 201, "{}", resp.body);
     }
 
-    fn submit(&self, client: &mut HttpClient, user: u64, activity: u64, sku: u64, request_id: &str) -> (u16, serde_json::Value) {
+    fn submit(
+        &self,
+        client: &mut HttpClient,
+        user: u64,
+        activity: u64,
+        sku: u64,
+        request_id: &str,
+    ) -> (u16, serde_json::Value) {
         let pass = self.pass(user, activity);
-        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{request_id}","quantity":1}}"#);
+        let body = format!(
+            r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{request_id}","quantity":1}}"#
+        );
         let resp = client.request("POST", "/v1/reservations", Some(&pass), Some(&body));
         (resp.status, resp.json())
     }
 
-    fn query(&self, client: &mut HttpClient, user: u64, activity: u64, sku: u64, request_id: &str) -> (u16, serde_json::Value) {
+    fn query(
+        &self,
+        client: &mut HttpClient,
+        user: u64,
+        activity: u64,
+        sku: u64,
+        request_id: &str,
+    ) -> (u16, serde_json::Value) {
         let pass = self.pass(user, activity);
         let path = format!("/v1/reservations/{request_id}?activity_id={activity}&sku_id={sku}");
         let resp = client.request("GET", &path, Some(&pass), None);
@@ -243,8 +258,23 @@ fn redis_down_is_system_busy_and_query_unknown_then_recovers() {
     let (status, _) = engine.submit(&mut c, 1, 21, 22, "before");
     assert_eq!(status, 202);
     engine.redis.kill();
-    let (status, busy) = engine.submit(&mut c, 2, 21, 22, "during");
-    assert_eq!((status, state(&busy)), (503, "SYSTEM_BUSY"), "{busy}");
+    // A command written before the client saw the connection drop has an unknown outcome;
+    // once the drop is known, nothing is sent and the answer is SYSTEM_BUSY.
+    let mut answers = Vec::new();
+    for i in 0..20 {
+        let (status, v) = engine.submit(&mut c, 2 + i, 21, 22, &format!("during-{i}"));
+        answers.push((status, state(&v).to_string()));
+        if state(&v) == "SYSTEM_BUSY" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let last = answers.last().cloned().unwrap();
+    assert_eq!(last, (503, "SYSTEM_BUSY".to_string()), "{answers:?}");
+    assert!(
+        answers.iter().all(|(s, st)| *s == 503 && (st == "UNKNOWN" || st == "SYSTEM_BUSY")),
+        "{answers:?}"
+    );
     // Redis cannot be asked and PostgreSQL has not seen the request (no worker here):
     // UNKNOWN, never NOT_FOUND.
     let (status, unknown) = engine.query(&mut c, 1, 21, 22, "before");
@@ -262,7 +292,10 @@ fn redis_down_is_system_busy_and_query_unknown_then_recovers() {
             preheated = true;
             break;
         }
-        assert_eq!((resp.status, resp.json()["reason_code"].as_str()), (503, Some("REDIS_UNAVAILABLE")));
+        assert_eq!(
+            (resp.status, resp.json()["reason_code"].as_str()),
+            (503, Some("REDIS_UNAVAILABLE"))
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(preheated, "admin could not preheat after Redis came back");
@@ -289,7 +322,8 @@ fn nats_down_is_queued_pending() {
     assert_eq!((status, state(&pending)), (202, "QUEUED_PENDING"), "{pending}");
     // Reserved in Redis and waiting for the scanner: status PENDING_MESSAGE, in `pending`.
     let resv = pending["reservation_id"].as_str().unwrap();
-    let status = redis_cmd(&engine.redis, &["HGET", &format!("seckill:{{31:32}}:resv:{resv}"), "status"]);
+    let status =
+        redis_cmd(&engine.redis, &["HGET", &format!("seckill:{{31:32}}:resv:{resv}"), "status"]);
     assert_eq!(status, "PENDING_MESSAGE");
     let score = redis_cmd(&engine.redis, &["ZSCORE", "seckill:{31:32}:resv:pending", resv]);
     assert!(!score.is_empty());
@@ -336,7 +370,8 @@ fn requests_cross_shards_and_pipelining_is_ordered() {
         let mut c = HttpClient::connect(engine.http());
         for (i, (activity, sku)) in skus.iter().enumerate() {
             let user = conn * 10 + i as u64 + 1;
-            let (status, v) = engine.submit(&mut c, user, *activity, *sku, &format!("x-{conn}-{i}"));
+            let (status, v) =
+                engine.submit(&mut c, user, *activity, *sku, &format!("x-{conn}-{i}"));
             assert_eq!(status, 202, "{v}");
         }
     }
@@ -349,7 +384,9 @@ fn requests_cross_shards_and_pipelining_is_ordered() {
     let pass = engine.pass(900, activity);
     let mut raw = String::new();
     for id in ["pipe-1", "pipe-2", "pipe-3"] {
-        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{id}","quantity":1}}"#);
+        let body = format!(
+            r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{id}","quantity":1}}"#
+        );
         raw.push_str(&format!(
             "POST /v1/reservations HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {pass}\r\nx-request-id: {id}\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
@@ -470,4 +507,115 @@ fn admission_bound_is_overloaded_and_user_limit_is_rate_limited() {
         states.push((status, state(&v).to_string()));
     }
     assert_eq!(states[3], (429, "RATE_LIMITED".to_string()), "{states:?}");
+}
+
+/// Publishes one outbox event the way the outbox publisher does (for redis-sync tests).
+fn publish_event(engine: &Engine, event_id: i64, event: &flashsale_io::wire::ReservationEvent) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let config = flashsale_io::log::LogConfig {
+            url: engine.nats.url(),
+            ..flashsale_io::log::LogConfig::default()
+        };
+        let log = flashsale_io::log::Log::connect(&config).await.unwrap();
+        log.publisher()
+            .publish_event(event_id, event.event_type, bytes::Bytes::from(event.encode()), None)
+            .await
+            .unwrap();
+    });
+}
+
+/// The reservation as Redis recorded it, as an order-create message would carry it.
+fn message_of(
+    engine: &Engine,
+    activity: u64,
+    sku: u64,
+    resv: &str,
+    user: u64,
+    request_id: &str,
+) -> flashsale_io::wire::OrderCreate {
+    let key = format!("seckill:{{{activity}:{sku}}}:resv:{resv}");
+    let field = |f: &str| redis_cmd(&engine.redis, &["HGET", &key, f]);
+    flashsale_io::wire::OrderCreate {
+        schema_version: 1,
+        event_type: flashsale_io::wire::ORDER_CREATE_EVENT_TYPE.to_string(),
+        message_id: field("message_id"),
+        message_key: resv.to_string(),
+        request_id: request_id.to_string(),
+        reservation_id: resv.to_string(),
+        activity_id: activity,
+        sku_id: sku,
+        user_id: user,
+        quantity: 1,
+        reserved_at_ms: field("reserved_at").parse().unwrap(),
+        reservation_expires_at_ms: field("expires_at").parse().unwrap(),
+        retry_count: 0,
+        payload_hash: field("payload_hash"),
+        traceparent: None,
+        created_at_ms: 0,
+    }
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..100 {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[test]
+fn redis_sync_applies_results_and_compensation_clears_sold_out() {
+    use flashsale_io::wire::{RejectReason, ReservationEvent};
+    let engine = Engine::start();
+    engine.create_activity(81, 82, 1);
+    let mut c = HttpClient::connect(engine.http());
+    let (_, won) = engine.submit(&mut c, 1, 81, 82, "s-1");
+    assert_eq!(state(&won), "QUEUED");
+    let resv = won["reservation_id"].as_str().unwrap().to_string();
+    let (_, sold) = engine.submit(&mut c, 2, 81, 82, "s-2");
+    assert_eq!(state(&sold), "SOLD_OUT");
+
+    // order_created → the query says SUCCEEDED with the order id; the reservation left pending.
+    let message = message_of(&engine, 81, 82, &resv, 1, "s-1");
+    publish_event(&engine, 1, &ReservationEvent::order_created(&message, "ord_test_1", 0));
+    wait_for("SUCCEEDED", || {
+        let (_, v) = engine.query(&mut c, 1, 81, 82, "s-1");
+        state(&v) == "SUCCEEDED" && v["order_id"] == "ord_test_1"
+    });
+    assert_eq!(redis_cmd(&engine.redis, &["ZCARD", "seckill:{81:82}:resv:pending"]), "0");
+
+    // A second SKU: its only unit is reserved, then the reservation expires in PostgreSQL.
+    engine.create_activity(83, 84, 1);
+    let (_, won) = engine.submit(&mut c, 1, 83, 84, "e-1");
+    let resv = won["reservation_id"].as_str().unwrap().to_string();
+    // Sold out on every shard (fresh connections land on either).
+    for _ in 0..4 {
+        let mut c2 = HttpClient::connect(engine.http());
+        assert_eq!(state(&engine.submit(&mut c2, 5, 83, 84, "e-5").1), "SOLD_OUT");
+    }
+    let message = message_of(&engine, 83, 84, &resv, 1, "e-1");
+    let event = ReservationEvent::rejected(&message, RejectReason::Expired, 0);
+    publish_event(&engine, 2, &event);
+    // Delivered twice (a new event id, as a re-emitted outcome would be): applied once.
+    publish_event(&engine, 3, &event);
+    wait_for("FAILED/EXPIRED", || {
+        let (_, v) = engine.query(&mut c, 1, 83, 84, "e-1");
+        state(&v) == "FAILED" && v["reason_code"] == "EXPIRED"
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        redis_cmd(&engine.redis, &["GET", "seckill:{83:84}:stock"]),
+        "1",
+        "stock returned exactly once"
+    );
+    // The sold-out flag cleared on every shard: a new buyer gets the returned unit.
+    let mut c3 = HttpClient::connect(engine.http());
+    let (status, v) = engine.submit(&mut c3, 6, 83, 84, "e-6");
+    assert_eq!((status, state(&v)), (202, "QUEUED"), "{v}");
+    // And the released user may reserve again (stock is gone now, so SOLD_OUT, not DUPLICATE_USER).
+    let (_, v) = engine.submit(&mut c3, 1, 83, 84, "e-1b");
+    assert_eq!(state(&v), "SOLD_OUT");
 }

@@ -1,6 +1,6 @@
 //! The chunked transfer coding (RFC 9112 section 7.1), strict and bounded.
 //!
-//! One function, [`scan`], both validates (when [`super::parse::parse_request`] needs to
+//! One function, `scan`, both validates (when [`super::parse::parse_request`] needs to
 //! know where the body ends) and decodes (when [`super::parse::Body::bytes`] copies the
 //! data into the caller's scratch buffer): the same code decides the framing both times,
 //! so validation and decoding cannot disagree.
@@ -12,8 +12,8 @@
 //!   line at most [`CHUNK_LINE_BYTES_MAX`] bytes;
 //! - every chunk's data is followed by exactly CRLF;
 //! - no trailer fields: the last chunk is followed by exactly CRLF;
-//! - the decoded total is bounded by [`Bounds::body_bytes_max`] (413 as soon as a size
-//!   line announces more) and the bytes on the wire by [`Bounds::wire_bytes_max`].
+//! - the decoded total is bounded by `Bounds::body_bytes_max` (413 as soon as a size
+//!   line announces more) and the bytes on the wire by `Bounds::wire_bytes_max`.
 //!
 //! Not here: the head, `Transfer-Encoding` itself (see `parse.rs`), and any allocation.
 

@@ -2,7 +2,7 @@
 //! bytes yet" ([`Parsed::Incomplete`]) or a [`Rejection`] the connection answers and then
 //! closes on.
 //!
-//! What it does: a strict pre-scan of the head ([`scan_head`]: CRLF only, no obs-fold, no
+//! What it does: a strict pre-scan of the head (`scan_head`: CRLF only, no obs-fold, no
 //! whitespace before a colon, the request-line and header-section limits enforced on
 //! whatever has arrived so far), then `httparse` over the complete head into a fixed
 //! stack array of [`HEADER_SLOTS`] headers, then our own validation of the few headers

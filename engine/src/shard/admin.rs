@@ -167,7 +167,11 @@ fn validate(body: CreateBody) -> Result<ActivitySpec, &'static str> {
     // Defaults are fixed numbers, not "now": a retried call must hash to the same body.
     let start_at_ms = body.start_at_ms.unwrap_or(0);
     let end_at_ms = body.end_at_ms.unwrap_or_else(|| {
-        if start_at_ms == 0 { i64::from(i32::MAX) * 1000 } else { start_at_ms + DEFAULT_WINDOW_MS }
+        if start_at_ms == 0 {
+            i64::from(i32::MAX) * 1000
+        } else {
+            start_at_ms + DEFAULT_WINDOW_MS
+        }
     });
     if start_at_ms < 0 || end_at_ms <= start_at_ms {
         return Err("WINDOW_INVALID");
@@ -208,9 +212,7 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
     let wait = Duration::from_millis(ADMIN_PG_WAIT_MS);
     let spec_for_pg = spec.clone();
     let created = glommio::timer::timeout(wait, async {
-        Ok(durable
-            .call(|reply| DurableRequest::CreateActivity { spec: spec_for_pg, reply })
-            .await)
+        Ok(durable.call(|reply| DurableRequest::CreateActivity { spec: spec_for_pg, reply }).await)
     })
     .await;
     let outcome = match created {
@@ -222,7 +224,9 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
         Err(_) => return error(Status::ServiceUnavailable, "POSTGRES_TIMEOUT"),
     };
     let fresh = match &outcome {
-        CreateActivity::Conflict => return error(Status::Conflict, "ACTIVITY_EXISTS_WITH_OTHER_BODY"),
+        CreateActivity::Conflict => {
+            return error(Status::Conflict, "ACTIVITY_EXISTS_WITH_OTHER_BODY")
+        }
         CreateActivity::Created => true,
         CreateActivity::Existing { status } => status == "PENDING",
     };
@@ -252,7 +256,8 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
             return error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE");
         }
     }
-    let status = if matches!(outcome, CreateActivity::Created) { Status::Created } else { Status::Ok };
+    let status =
+        if matches!(outcome, CreateActivity::Created) { Status::Created } else { Status::Ok };
     (
         status,
         json!({
@@ -333,14 +338,19 @@ mod tests {
             Err("STOCK_INVALID")
         );
         assert_eq!(
-            validate(body(r#"{"activity_id":1,"sku_id":2,"stock":1,"start_at_ms":5,"end_at_ms":5}"#)),
+            validate(body(
+                r#"{"activity_id":1,"sku_id":2,"stock":1,"start_at_ms":5,"end_at_ms":5}"#
+            )),
             Err("WINDOW_INVALID")
         );
         assert_eq!(
             validate(body(r#"{"activity_id":1,"sku_id":2,"stock":1,"allocator":"X"}"#)),
             Err("ALLOCATOR_INVALID")
         );
-        assert!(serde_json::from_str::<CreateBody>(r#"{"activity_id":1,"sku_id":2,"stock":1,"x":1}"#).is_err());
+        assert!(serde_json::from_str::<CreateBody>(
+            r#"{"activity_id":1,"sku_id":2,"stock":1,"x":1}"#
+        )
+        .is_err());
         assert!(constant_time_eq(b"abc", b"abc") && !constant_time_eq(b"abc", b"abd"));
     }
 }

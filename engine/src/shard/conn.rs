@@ -37,9 +37,10 @@ pub async fn accept_loop(shard: Rc<Shard>, listener: TcpListener, plane: Plane) 
             return;
         }
         // Poll the stop flag between accepts: accept() itself cannot be interrupted.
-        let accepted =
-            glommio::timer::timeout(Duration::from_millis(100), async { Ok(listener.accept().await) })
-                .await;
+        let accepted = glommio::timer::timeout(Duration::from_millis(100), async {
+            Ok(listener.accept().await)
+        })
+        .await;
         let stream = match accepted {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => {
@@ -142,7 +143,11 @@ async fn serve_connection(shard: &Rc<Shard>, mut stream: TcpStream, plane: Plane
                         connection: Connection::Close,
                         ..ResponseHead::new(Status::RequestTimeout, &request_id)
                     };
-                    write_response(&mut out, &head, br#"{"state":"INVALID","reason_code":"HEADER_TIMEOUT"}"#);
+                    write_response(
+                        &mut out,
+                        &head,
+                        br#"{"state":"INVALID","reason_code":"HEADER_TIMEOUT"}"#,
+                    );
                     let _ = stream.write_all(&out).await;
                 }
                 return;

@@ -156,8 +156,8 @@ impl Shard {
     /// bucket when the shard already tracks `skus_tracked_max` SKUs).
     pub fn with_partition<T>(&self, key: SkuKey, f: impl FnOnce(&mut SkuPartition) -> T) -> T {
         let mut partitions = self.partitions.borrow_mut();
-        let tracked = partitions.contains_key(&key)
-            || partitions.len() < self.config().skus_tracked_max;
+        let tracked =
+            partitions.contains_key(&key) || partitions.len() < self.config().skus_tracked_max;
         let slot = if tracked { key } else { UNTRACKED };
         let limits = self.config().partition;
         let partition =
@@ -200,9 +200,9 @@ impl Shard {
             Err(glommio::GlommioError::WouldBlock(glommio::ResourceType::Channel(
                 MeshMsg::Submit(f),
             )))
-            | Err(glommio::GlommioError::Closed(glommio::ResourceType::Channel(MeshMsg::Submit(
-                f,
-            )))) => Err(f),
+            | Err(glommio::GlommioError::Closed(glommio::ResourceType::Channel(
+                MeshMsg::Submit(f),
+            ))) => Err(f),
             Err(_) => {
                 // Other errors (invalid peer) cannot carry the message back; the caller
                 // answers from what it knows.
@@ -242,11 +242,13 @@ pub struct ShardStart {
     pub http_addr: std::net::SocketAddr,
     pub admin_addr: std::net::SocketAddr,
     pub id_seed: [u8; 32],
+    /// Events from `redis-sync` for the SKUs this shard owns.
+    pub sync_rx: Option<tokio::sync::mpsc::Receiver<crate::sync::SyncRequest>>,
 }
 
 /// The body of each shard's executor: connect, bind, serve until stopped.
 pub async fn run(start: ShardStart) {
-    let ShardStart { id, shared, mesh, http_addr, admin_addr, id_seed } = start;
+    let ShardStart { id, shared, mesh, http_addr, admin_addr, id_seed, sync_rx } = start;
     let Ok((senders, receivers)) = mesh.join().await else {
         tracing::error!(shard = id, "mesh join failed");
         return;
@@ -263,10 +265,16 @@ pub async fn run(start: ShardStart) {
         ttl_cache: RefCell::new(HashMap::new()),
         ids: RefCell::new(IdGenerator::new(id_seed)),
         request_seq: Cell::new(0),
-        user_limiter: RefCell::new(Limiter::new(shared.config.user_rate, shared.config.limiter_slots)),
+        user_limiter: RefCell::new(Limiter::new(
+            shared.config.user_rate,
+            shared.config.limiter_slots,
+        )),
         ip_limiter: RefCell::new(Limiter::new(shared.config.ip_rate, shared.config.limiter_slots)),
     });
     spawn_mesh_receivers(&shard, receivers);
+    if let Some(rx) = sync_rx {
+        crate::sync::spawn_receiver(&shard, rx);
+    }
     spawn_heartbeat(&shard);
     spawn_stock_recheck(&shard);
 

@@ -62,7 +62,10 @@ impl SubmitAnswer {
     }
 
     fn invalid(reason: &'static str) -> SubmitAnswer {
-        SubmitAnswer { reason_code: Some(Cow::Borrowed(reason)), ..SubmitAnswer::of(SubmitOutcome::Invalid) }
+        SubmitAnswer {
+            reason_code: Some(Cow::Borrowed(reason)),
+            ..SubmitAnswer::of(SubmitOutcome::Invalid)
+        }
     }
 
     fn replay(entry: &Accepted) -> SubmitAnswer {
@@ -177,13 +180,8 @@ async fn submit_checked(
         FastPath::Conflict => return SubmitAnswer::of(SubmitOutcome::IdempotencyConflict),
         FastPath::Forward => {}
     }
-    let owned = OwnedSubmit {
-        key,
-        request_id,
-        user_id,
-        payload_hash,
-        traceparent: request.traceparent,
-    };
+    let owned =
+        OwnedSubmit { key, request_id, user_id, payload_hash, traceparent: request.traceparent };
     let owner = shard.shared.table.owner(key);
     if owner == shard.id {
         return owner_submit(shard, &owned).await;
@@ -278,10 +276,12 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
     let started = Instant::now();
     let result = shard.functions.reserve(&keys, &args).await;
     shard.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
-    let (seen, answer) = classify_reserve(shard, &result, &reservation_id, &message_id, &s.payload_hash);
+    let (seen, answer) =
+        classify_reserve(shard, &result, &reservation_id, &message_id, &s.payload_hash);
     // The untracked bucket shares admission only: never let one SKU's stock flip it.
     let seen = if tracked { seen } else { ReserveSeen::Other };
-    if let Some(update) = shard.with_partition(s.key, |p| p.on_reserve(permit, s.request_id, seen)) {
+    if let Some(update) = shard.with_partition(s.key, |p| p.on_reserve(permit, s.request_id, seen))
+    {
         shard.broadcast(update);
     }
     match (&result, answer) {
@@ -324,7 +324,11 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
     }
     SubmitAnswer {
         reservation_id: Some(reservation),
-        ..SubmitAnswer::of(if queued { SubmitOutcome::Queued } else { SubmitOutcome::QueuedPending })
+        ..SubmitAnswer::of(if queued {
+            SubmitOutcome::Queued
+        } else {
+            SubmitOutcome::QueuedPending
+        })
     }
 }
 
@@ -371,8 +375,11 @@ fn classify_reserve(
     match result {
         Ok(ReserveReply::Created { stock_after }) => {
             let entry = accepted(AcceptedState::QueuedPending);
-            let seen =
-                if *stock_after == 0 { ReserveSeen::AcceptedLast(entry) } else { ReserveSeen::Accepted(entry) };
+            let seen = if *stock_after == 0 {
+                ReserveSeen::AcceptedLast(entry)
+            } else {
+                ReserveSeen::Accepted(entry)
+            };
             (seen, Some(SubmitAnswer::of(SubmitOutcome::QueuedPending)))
         }
         Ok(ReserveReply::Idempotent { reservation_id, message_id, state, .. }) => {
@@ -390,7 +397,9 @@ fn classify_reserve(
             let answer = SubmitAnswer::replay(&entry);
             (ReserveSeen::Accepted(entry), Some(answer))
         }
-        Ok(ReserveReply::SoldOut) => (ReserveSeen::SoldOut, Some(SubmitAnswer::of(SubmitOutcome::SoldOut))),
+        Ok(ReserveReply::SoldOut) => {
+            (ReserveSeen::SoldOut, Some(SubmitAnswer::of(SubmitOutcome::SoldOut)))
+        }
         Ok(ReserveReply::DuplicateUser { reservation_id }) => (
             ReserveSeen::Other,
             Some(SubmitAnswer {
@@ -478,7 +487,11 @@ struct QueryAnswer {
     reason_code: Option<String>,
 }
 
-async fn query(shard: &Rc<Shard>, request: &Request<'_>, path_id: &str) -> (QueryOutcome, QueryAnswer) {
+async fn query(
+    shard: &Rc<Shard>,
+    request: &Request<'_>,
+    path_id: &str,
+) -> (QueryOutcome, QueryAnswer) {
     let now = now_ms();
     let none = QueryAnswer::default;
     let Some(auth) = request.authorization else { return (QueryOutcome::Unauthorized, none()) };
@@ -517,12 +530,16 @@ async fn query(shard: &Rc<Shard>, request: &Request<'_>, path_id: &str) -> (Quer
                 .await;
             match reply {
                 Ok(Reply::Array(fields)) if fields.len() == 5 => {
-                    let text = |i: usize| fields[i].as_str().filter(|s| !s.is_empty()).map(str::to_owned);
+                    let text =
+                        |i: usize| fields[i].as_str().filter(|s| !s.is_empty()).map(str::to_owned);
                     match (text(0), text(4)) {
                         (Some(state), Some(owner)) => {
                             if owner != pass.user_id.0.to_string() {
                                 // Someone else's request: indistinguishable from absent.
-                                return (QueryOutcome::NotFound, QueryAnswer { request_id: Some(request_id), ..none() });
+                                return (
+                                    QueryOutcome::NotFound,
+                                    QueryAnswer { request_id: Some(request_id), ..none() },
+                                );
                             }
                             let outcome = match state.as_str() {
                                 "SUCCEEDED" => QueryOutcome::Succeeded,
@@ -558,18 +575,22 @@ async fn query(shard: &Rc<Shard>, request: &Request<'_>, path_id: &str) -> (Quer
         request_id: request_id.clone(),
         reply,
     });
-    let found: Result<_, DurableError> = match glommio::timer::timeout(wait, async { Ok(lookup.await) }).await {
-        Ok(result) => result,
-        Err(_) => Err(DurableError::Timeout),
-    };
+    let found: Result<_, DurableError> =
+        match glommio::timer::timeout(wait, async { Ok(lookup.await) }).await {
+            Ok(result) => result,
+            Err(_) => Err(DurableError::Timeout),
+        };
     match found {
         Ok(Some(record)) => {
             let (outcome, reason) = match record.status.as_str() {
                 "ORDER_CREATED" => (QueryOutcome::Succeeded, None),
                 "PROCESSING" => (QueryOutcome::Queuing, None),
-                other => (QueryOutcome::Failed, Some(other.trim_start_matches("REJECTED_").to_owned())),
+                other => {
+                    (QueryOutcome::Failed, Some(other.trim_start_matches("REJECTED_").to_owned()))
+                }
             };
-            let reason = reason.map(|r| if r == "ACTIVITY" { "ACTIVITY_TERMINATED".to_owned() } else { r });
+            let reason =
+                reason.map(|r| if r == "ACTIVITY" { "ACTIVITY_TERMINATED".to_owned() } else { r });
             (
                 outcome,
                 QueryAnswer {
@@ -581,8 +602,12 @@ async fn query(shard: &Rc<Shard>, request: &Request<'_>, path_id: &str) -> (Quer
             )
         }
         // Both stores answered and neither knows it.
-        Ok(None) if redis_known => (QueryOutcome::NotFound, QueryAnswer { request_id: Some(request_id), ..none() }),
+        Ok(None) if redis_known => {
+            (QueryOutcome::NotFound, QueryAnswer { request_id: Some(request_id), ..none() })
+        }
         // A store that might know could not be asked: never NOT_FOUND.
-        Ok(None) | Err(_) => (QueryOutcome::Unknown, QueryAnswer { request_id: Some(request_id), ..none() }),
+        Ok(None) | Err(_) => {
+            (QueryOutcome::Unknown, QueryAnswer { request_id: Some(request_id), ..none() })
+        }
     }
 }
