@@ -187,6 +187,12 @@ async fn route(
     head.traceparent = request.traceparent;
     head.connection = if keep { Connection::for_request(request) } else { Connection::Close };
     let body = request.body.bytes(scratch);
+    if request.method == Method::Head {
+        // No route answers HEAD, and a HEAD response must not carry a body.
+        head.status = Status::MethodNotAllowed;
+        write_response(out, &head, b"");
+        return keep && head.connection != Connection::Close;
+    }
     match ctx.plane {
         Plane::Public => match (request.method, request.path) {
             (Method::Post, "/v1/reservations") => {
