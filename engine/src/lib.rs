@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod outcome;
 pub mod partition;
 pub mod router;
+pub mod scanner;
 pub mod serve;
 pub mod shard;
 pub mod stack;

@@ -92,6 +92,10 @@ pub struct ShardMetrics {
     pub http_rejections: AtomicU64,
     pub connections_open: AtomicU64,
     pub connections_refused: AtomicU64,
+    /// Order-create messages republished by the scanner (acknowledged).
+    pub republished: AtomicU64,
+    /// Reservations the scanner moved to `stuck` (past the recovery deadline).
+    pub stuck_reservations: AtomicU64,
     pub request_latency: Histogram,
     pub lua_latency: Histogram,
 }
@@ -144,7 +148,9 @@ impl EdgeMetrics {
                 outcome.http().1
             );
         }
-        let counters: [(&str, Field); 6] = [
+        let counters: [(&str, Field); 8] = [
+            ("flashsale_republished_total", |s| &s.republished),
+            ("flashsale_stuck_reservations_total", |s| &s.stuck_reservations),
             ("flashsale_sold_out_fast_path_total", |s| &s.sold_out_fast_path),
             ("flashsale_mesh_forwarded_total", |s| &s.forwarded),
             ("flashsale_mesh_full_total", |s| &s.mesh_full),

@@ -80,6 +80,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         user_rate: crate::limiter::Rate { per_s: 10, burst: 20 },
         ip_rate: crate::limiter::Rate { per_s: 2_000, burst: 4_000 },
         limiter_slots: 1 << 16,
+        scanner: crate::scanner::ScannerConfig::default(),
     }
 }
 

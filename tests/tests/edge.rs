@@ -313,8 +313,14 @@ fn redis_down_is_system_busy_and_query_unknown_then_recovers() {
 }
 
 #[test]
-fn nats_down_is_queued_pending() {
-    let mut engine = Engine::start();
+fn nats_down_is_queued_pending_and_the_scanner_republishes() {
+    let mut engine = Engine::start_with(|c| {
+        c.edge.pending_grace_ms = 200;
+        c.edge.scanner.interval_ms = 100;
+        c.edge.scanner.sku_refresh_ms = 100;
+        c.edge.scanner.backoff_base_ms = 200;
+        c.edge.scanner.backoff_max_ms = 500;
+    });
     engine.create_activity(31, 32, 5);
     let mut c = HttpClient::connect(engine.http());
     engine.nats.kill();
@@ -331,6 +337,40 @@ fn nats_down_is_queued_pending() {
     let (status, again) = engine.submit(&mut c, 1, 31, 32, "p-1");
     assert_eq!((status, state(&again)), (202, "QUEUED_PENDING"));
     assert_eq!(again["replayed"], true);
+
+    // NATS back: the scanner republishes with the same message id and marks it sent.
+    engine.nats.restart();
+    let key = format!("seckill:{{31:32}}:resv:{resv}");
+    wait_for_ms("the scanner's republish", 20_000, || {
+        redis_cmd(&engine.redis, &["HGET", &key, "status"]) == "MESSAGE_SENT"
+    });
+    let attempts: u32 = redis_cmd(&engine.redis, &["HGET", &key, "send_attempts"]).parse().unwrap();
+    assert!(attempts >= 1, "claimed by the scanner: {attempts}");
+    assert!(metric(&engine.metrics(), "flashsale_republished_total") >= 1);
+    // Exactly one message in the log for it, whatever the number of attempts (dedup by id).
+    let count = stream_messages(&engine, "SECKILL_ORDERS");
+    assert_eq!(count, 1);
+}
+
+fn stream_messages(engine: &Engine, stream: &str) -> u64 {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let client = async_nats::connect(engine.nats.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let mut s = js.get_stream(stream).await.unwrap();
+        s.info().await.unwrap().state.messages
+    })
+}
+
+fn wait_for_ms(what: &str, timeout_ms: u64, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_millis(timeout_ms);
+    while std::time::Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out after {timeout_ms} ms waiting for {what}");
 }
 
 #[test]
@@ -556,14 +596,8 @@ fn message_of(
     }
 }
 
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..100 {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for {what}");
+fn wait_for(what: &str, f: impl FnMut() -> bool) {
+    wait_for_ms(what, 5_000, f)
 }
 
 #[test]

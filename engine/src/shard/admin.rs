@@ -250,6 +250,16 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
                 return error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
             }
         }
+        // Every shard's scanner finds the SKUs it owns here (survives engine restarts).
+        let member = format!("{}:{}", spec.activity_id, spec.sku_id);
+        let added = shard
+            .functions
+            .client()
+            .command(&[b"SADD", crate::scanner::ACTIVE_SKUS_KEY.as_bytes(), member.as_bytes()])
+            .await;
+        if added.is_err() {
+            return error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
+        }
         let activity_id = spec.activity_id;
         let marked = durable.call(|reply| DurableRequest::MarkActive { activity_id, reply }).await;
         if marked.is_err() {

@@ -71,6 +71,7 @@ pub struct EdgeConfig {
     pub ip_rate: Rate,
     /// Buckets per limiter table (fixed memory; colliding keys share a bucket).
     pub limiter_slots: usize,
+    pub scanner: crate::scanner::ScannerConfig,
 }
 
 /// What all shards share read-only (plus a few flags and the metrics).
@@ -277,6 +278,7 @@ pub async fn run(start: ShardStart) {
     }
     spawn_heartbeat(&shard);
     spawn_stock_recheck(&shard);
+    crate::scanner::spawn(&shard, shared.config.scanner);
 
     // Shard 0 binds first and publishes the ports (port 0 in tests resolves to one port that
     // every shard then shares through SO_REUSEPORT).

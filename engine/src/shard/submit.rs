@@ -309,17 +309,8 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
         created_at_ms: now,
     };
     let reservation: Arc<str> = Arc::from(reservation_id.as_str());
-    let queued = publish(shard, message).await;
+    let queued = publish_and_mark(shard, &keys, message).await;
     if queued {
-        let mark = MarkSentArgs {
-            reservation_id: &reservation_id,
-            request_id: s.request_id,
-            now_ms: now_ms(),
-            order_deadline_ms: shard.config().order_deadline_ms,
-        };
-        // Best effort: the message is durable either way; a failed mark only means the
-        // scanner republishes later (deduplicated by message id).
-        let _ = shard.functions.mark_sent(&keys, &mark).await;
         shard.with_partition(s.key, |p| p.on_queued(s.request_id));
     }
     SubmitAnswer {
@@ -425,6 +416,30 @@ fn classify_reserve(
             )
         }
     }
+}
+
+/// Publishes an order-create message (first time or republish: the same message id) and, on
+/// the log's ack, marks the reservation sent. True when the log acknowledged in time.
+pub(crate) async fn publish_and_mark(
+    shard: &Shard,
+    keys: &flashsale_io::redis::script::SkuKeys,
+    message: OrderCreate,
+) -> bool {
+    let reservation_id = message.reservation_id.clone();
+    let request_id = message.request_id.clone();
+    if !publish(shard, message).await {
+        return false;
+    }
+    let mark = MarkSentArgs {
+        reservation_id: &reservation_id,
+        request_id: &request_id,
+        now_ms: now_ms(),
+        order_deadline_ms: shard.config().order_deadline_ms,
+    };
+    // Best effort: the message is durable either way; a failed mark only means the scanner
+    // republishes later (deduplicated by message id).
+    let _ = shard.functions.mark_sent(keys, &mark).await;
+    true
 }
 
 /// Publishes through the durable side; true when the log acknowledged within the wait.

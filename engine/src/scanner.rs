@@ -1,0 +1,154 @@
+//! The republish scanner (DESIGN.md section 6): on each owner shard, claims the due entries of
+//! each owned SKU's `resv:pending` with `claim_due` (bounded batch, backoff, attempt count) and
+//! republishes their order-create messages with the SAME message id — JetStream dedups inside
+//! its window, the PostgreSQL inbox after it. It covers messages never confirmed
+//! (`QUEUED_PENDING`) and confirmed ones whose outcome has not reached Redis by the order
+//! deadline (a message or event lost after its ack). Entries past the recovery deadline go to
+//! `resv:stuck` (counted, logged, reported by reconcile) — never dropped silently.
+//!
+//! Which SKUs exist survives restarts in Redis: the admin preheat adds each SKU to the
+//! [`ACTIVE_SKUS_KEY`] set, which every shard reads to find the SKUs it owns.
+
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use flashsale_io::redis::script::{ClaimDueArgs, PendingEntry};
+use flashsale_io::wire::{OrderCreate, ORDER_CREATE_EVENT_TYPE, SCHEMA_VERSION};
+
+use crate::router::SkuKey;
+use crate::shard::{now_ms, submit, Shard};
+
+/// A plain Redis SET of `activity:sku` members (outside any SKU's hash slot on purpose: it is
+/// read by every shard of every instance, written only at preheat).
+pub const ACTIVE_SKUS_KEY: &str = "seckill:active-skus";
+
+/// Scanner settings.
+#[derive(Debug, Clone, Copy)]
+pub struct ScannerConfig {
+    /// Pause between sweeps of a shard's SKUs.
+    pub interval_ms: u64,
+    /// Entries claimed per `claim_due` call (≤ 512, the function's bound).
+    pub batch_max: u32,
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+    /// A reservation older than this goes to `stuck` instead of being republished.
+    pub recovery_deadline_ms: u64,
+    /// How often the set of active SKUs is re-read.
+    pub sku_refresh_ms: u64,
+}
+
+impl Default for ScannerConfig {
+    fn default() -> ScannerConfig {
+        ScannerConfig {
+            interval_ms: 500,
+            batch_max: 128,
+            backoff_base_ms: 1_000,
+            backoff_max_ms: 30_000,
+            // Reservation TTL (5 min) + the 10 min JetStream dedup window: beyond that a
+            // republish could no longer be deduplicated by the log, only by the inbox.
+            recovery_deadline_ms: 15 * 60 * 1000,
+            sku_refresh_ms: 2_000,
+        }
+    }
+}
+
+pub fn spawn(shard: &Rc<Shard>, config: ScannerConfig) {
+    let shard = Rc::clone(shard);
+    glommio::spawn_local(async move {
+        let mut owned: Vec<SkuKey> = Vec::new();
+        let mut refreshed_ms = 0u64;
+        while !shard.shared.stopping.load(Ordering::Relaxed) {
+            glommio::timer::sleep(Duration::from_millis(config.interval_ms)).await;
+            let now = now_ms();
+            if now.saturating_sub(refreshed_ms) >= config.sku_refresh_ms {
+                if let Some(skus) = read_owned_skus(&shard).await {
+                    owned = skus;
+                }
+                refreshed_ms = now;
+            }
+            for key in &owned {
+                sweep(&shard, *key, &config).await;
+            }
+        }
+    })
+    .detach();
+}
+
+async fn read_owned_skus(shard: &Shard) -> Option<Vec<SkuKey>> {
+    let reply =
+        shard.functions.client().command(&[b"SMEMBERS", ACTIVE_SKUS_KEY.as_bytes()]).await.ok()?;
+    let members = reply.as_array()?;
+    Some(
+        members
+            .iter()
+            .filter_map(|m| {
+                let (a, s) = m.as_str()?.split_once(':')?;
+                Some(SkuKey::new(a.parse().ok()?, s.parse().ok()?))
+            })
+            .filter(|key| shard.shared.table.owner(*key) == shard.id)
+            .collect(),
+    )
+}
+
+/// Claims and republishes one SKU's due entries until none is due (bounded per sweep).
+async fn sweep(shard: &Shard, key: SkuKey, config: &ScannerConfig) {
+    let keys = shard.sku_keys(key);
+    // At most a few batches per sweep so one SKU cannot starve the others.
+    for _ in 0..4 {
+        let args = ClaimDueArgs {
+            now_ms: now_ms(),
+            batch_max: config.batch_max,
+            backoff_base_ms: config.backoff_base_ms,
+            backoff_max_ms: config.backoff_max_ms,
+            recovery_deadline_ms: config.recovery_deadline_ms,
+        };
+        let reply = match shard.functions.claim_due(&keys, &args).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                tracing::warn!(error = %e, activity_id = key.activity_id, sku_id = key.sku_id, "scanner: claim_due failed");
+                return;
+            }
+        };
+        for id in &reply.stuck {
+            shard.metrics().stuck_reservations.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(reservation_id = %id, activity_id = key.activity_id, sku_id = key.sku_id,
+                "reservation past the recovery deadline moved to stuck (reconcile reports it)");
+        }
+        let claimed = reply.claimed.len();
+        let publishes = reply.claimed.into_iter().map(|entry| {
+            let message = message_of(key, &entry);
+            let keys = &keys;
+            async move {
+                let ok = submit::publish_and_mark(shard, keys, message).await;
+                shard.metrics().republished.fetch_add(u64::from(ok), Ordering::Relaxed);
+            }
+        });
+        futures::future::join_all(publishes).await;
+        if claimed < config.batch_max as usize {
+            return;
+        }
+    }
+}
+
+/// The order-create message of a pending reservation, identical in every id to the first one.
+fn message_of(key: SkuKey, entry: &PendingEntry) -> OrderCreate {
+    OrderCreate {
+        schema_version: SCHEMA_VERSION,
+        event_type: ORDER_CREATE_EVENT_TYPE.to_owned(),
+        message_id: entry.message_id.clone(),
+        message_key: entry.reservation_id.clone(),
+        request_id: entry.request_id.clone(),
+        reservation_id: entry.reservation_id.clone(),
+        activity_id: key.activity_id,
+        sku_id: key.sku_id,
+        user_id: entry.user_id,
+        quantity: 1,
+        reserved_at_ms: entry.reserved_at_ms,
+        reservation_expires_at_ms: entry.expires_at_ms,
+        retry_count: entry.send_attempts,
+        payload_hash: entry.payload_hash.clone(),
+        traceparent: None,
+        created_at_ms: now_ms(),
+    }
+}
