@@ -6,14 +6,17 @@
 //!
 //! Read `ARCHITECTURE.md` at the repository root for the map of the whole workspace.
 
+pub mod admission;
 pub mod api;
 pub mod auth;
+pub mod circuit;
 pub mod config;
 pub mod durable;
 pub mod http;
 pub mod ids;
 pub mod limiter;
 pub mod metrics;
+pub mod modes;
 pub mod outcome;
 pub mod partition;
 pub mod router;

@@ -33,6 +33,47 @@ enum Command {
     Migrate(ConnArgs),
     /// The edge engine: glommio shards, HTTP and admin listeners, and the durable side.
     Serve(ServeArgs),
+    /// The seed's scenario end to end: stack up, migrate, serve, create a hot-SKU activity,
+    /// run the open-loop load generator, wait for the orders, print the report and the
+    /// invariant verdict, stop everything it started.
+    Demo(DemoArgs),
+    /// The open-loop load generator (runs the `flashsale-loadgen` binary beside this one).
+    Loadgen {
+        /// Arguments for flashsale-loadgen (see `flashsale loadgen -- --help`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Where the demo's private servers keep their data.
+    #[arg(long, default_value = "var/demo")]
+    dir: PathBuf,
+    /// Units of the hot SKU (the seed: 10,000).
+    #[arg(long, default_value_t = 10_000)]
+    stock: u64,
+    /// Distinct buyers (the seed's scenario scaled to this machine: at least 50,000).
+    #[arg(long, default_value_t = 60_000)]
+    users: u64,
+    /// Arrival rate, requests per second (open loop).
+    #[arg(long, default_value_t = 20_000)]
+    rate: u64,
+    /// Length of the run.
+    #[arg(long, default_value_t = 15)]
+    duration_s: u64,
+    /// Share of requests that repeat an earlier request id of the same buyer (the seed: 10%).
+    #[arg(long, default_value_t = 0.10)]
+    duplicate_ratio: f64,
+    /// Shards of the engine (default: half the cores, the rest for the load generator).
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Machine-readable report.
+    #[arg(long, default_value = "var/demo-report.json")]
+    json: PathBuf,
+    /// Latency and throughput picture.
+    #[arg(long, default_value = "var/demo-latency.svg")]
+    svg: PathBuf,
 }
 
 #[derive(Args)]
@@ -135,6 +176,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Serve(args) => serve(args),
+        Command::Demo(args) => demo(args),
+        Command::Loadgen { args } => {
+            let status = std::process::Command::new(sibling_binary("flashsale-loadgen")?)
+                .args(args)
+                .status()
+                .context("run flashsale-loadgen")?;
+            std::process::exit(status.code().unwrap_or(1));
+        }
         Command::Migrate(args) => {
             let overrides = Overrides { pg_url: args.pg_url, ..Default::default() };
             let config = Config::load(
@@ -244,4 +293,89 @@ fn wait_for_termination() -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+/// A binary built beside this one (same target directory), e.g. `flashsale-loadgen`.
+fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locate the flashsale binary")?;
+    let dir = exe.parent().context("binary without a directory")?;
+    let path = dir.join(name);
+    anyhow::ensure!(
+        path.is_file(),
+        "{} not found: build it with `cargo build --release -p flashsale-benches --bin {name}` \
+         (./run does this)",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// `flashsale demo`: every step is one of the documented commands' library calls, so the
+/// demo exercises exactly what an operator runs.
+fn demo(args: DemoArgs) -> anyhow::Result<()> {
+    use flashsale_engine::auth::{PassKeys, DEV_PASS_KEYS};
+    use flashsale_engine::serve::{self, Pinning, ServeConfig};
+
+    let loadgen = sibling_binary("flashsale-loadgen")?;
+    eprintln!("demo: starting private Redis, PostgreSQL and NATS under {}", args.dir.display());
+    let env = stack::up(&args.dir)?;
+    let overrides = Overrides {
+        redis_url: Some(env.redis_url.clone()),
+        pg_url: Some(env.pg_url.clone()),
+        nats_url: Some(env.nats_url.clone()),
+        http_addr: Some("127.0.0.1:0".into()),
+        admin_addr: Some("127.0.0.1:0".into()),
+        shards: None,
+    };
+    let config = Config::load(None, &config::Env::new(), &overrides, &args.dir)?;
+    migrate(&config)?;
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let shards = args.shards.unwrap_or((cores / 2).max(1));
+    let serve_config = ServeConfig {
+        shards,
+        pins: Vec::new(),
+        // The load generator shares these cores: let the kernel place the shards.
+        pinning: Pinning::Unpinned,
+        http_addr: config.http_addr,
+        admin_addr: config.admin_addr,
+        pass_keys: PassKeys::parse(DEV_PASS_KEYS)?,
+        admin_token: None,
+        edge: serve::default_edge_config(serve::redis_addr(&config.redis_url)?),
+        durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
+        io_memory_bytes: 1 << 20,
+        render_extra: None,
+    };
+    let handle = serve::start(serve_config)?;
+    eprintln!(
+        "demo: engine up ({shards} shards) on http://{}, admin http://{}",
+        handle.http_addr, handle.admin_addr
+    );
+    for path in [&args.json, &args.svg] {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+    }
+    let status = std::process::Command::new(loadgen)
+        .arg("--target")
+        .arg(format!("http://{}", handle.http_addr))
+        .arg("--admin")
+        .arg(format!("http://{}", handle.admin_addr))
+        .args(["--create-activity", "--activity-id", "10001", "--sku-id", "20001"])
+        .args(["--stock", &args.stock.to_string()])
+        .args(["--users", &args.users.to_string()])
+        .args(["--rate", &args.rate.to_string()])
+        .args(["--duration-s", &args.duration_s.to_string()])
+        .args(["--duplicate-ratio", &args.duplicate_ratio.to_string()])
+        .args(["--pg-url", &config.pg_url, "--redis-url", &config.redis_url])
+        .arg("--json")
+        .arg(&args.json)
+        .arg("--svg")
+        .arg(&args.svg)
+        .status()
+        .context("run flashsale-loadgen")?;
+    eprintln!("demo: stopping the engine and the private servers");
+    handle.shutdown();
+    stack::down(&args.dir, false)?;
+    anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
+    eprintln!("demo: report in {}, picture in {}", args.json.display(), args.svg.display());
+    Ok(())
 }
