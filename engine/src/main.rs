@@ -102,8 +102,10 @@ struct ServeArgs {
     /// production: anyone can mint passes).
     #[arg(long)]
     insecure_dev_auth: bool,
-    /// Seconds to let in-flight work finish after SIGTERM.
-    #[arg(long, default_value_t = 10)]
+    /// Seconds between SIGTERM (readiness turns false, listeners stop accepting) and the
+    /// stop: long enough for the load balancer's health check to take the instance out and
+    /// for requests in flight to finish.
+    #[arg(long, default_value_t = 5)]
     grace_s: u64,
 }
 
@@ -277,7 +279,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     wait_for_termination()?;
     tracing::info!("signal received: draining");
     handle.drain();
-    std::thread::sleep(std::time::Duration::from_secs(args.grace_s.min(1)));
+    std::thread::sleep(std::time::Duration::from_secs(args.grace_s));
     handle.shutdown();
     Ok(())
 }
