@@ -653,3 +653,45 @@ fn redis_sync_applies_results_and_compensation_clears_sold_out() {
     let (_, v) = engine.submit(&mut c3, 1, 83, 84, "e-1b");
     assert_eq!(state(&v), "SOLD_OUT");
 }
+
+#[test]
+fn stale_sold_out_flag_is_cleared_by_the_stock_recheck() {
+    let engine = Engine::start_with(|c| c.edge.partition.stock_recheck_ms = 100);
+    engine.create_activity(91, 92, 1);
+    let mut c = HttpClient::connect(engine.http());
+    assert_eq!(state(&engine.submit(&mut c, 1, 91, 92, "t-1").1), "QUEUED");
+    assert_eq!(state(&engine.submit(&mut c, 2, 91, 92, "t-2").1), "SOLD_OUT");
+    // Another instance's compensation returned a unit: this instance's flag is stale.
+    redis_cmd(&engine.redis, &["SET", "seckill:{91:92}:stock", "1"]);
+    redis_cmd(&engine.redis, &["DEL", "seckill:{91:92}:soldout"]);
+    wait_for("the re-check to clear the flag", || {
+        let mut c2 = HttpClient::connect(engine.http());
+        state(&engine.submit(&mut c2, 3, 91, 92, "t-3").1) == "QUEUED"
+    });
+    assert_eq!(redis_cmd(&engine.redis, &["GET", "seckill:{91:92}:stock"]), "0");
+}
+
+#[test]
+fn an_ended_activity_is_answered_on_the_owner_after_the_snapshot_refresh() {
+    let engine = Engine::start();
+    engine.create_activity(95, 96, 5);
+    let mut c = HttpClient::connect(engine.http());
+    assert_eq!(state(&engine.submit(&mut c, 1, 95, 96, "a-1").1), "QUEUED");
+    // The activity is terminated in Redis (what a newer preheat version would do).
+    redis_cmd(
+        &engine.redis,
+        &["HSET", "seckill:{95:96}:meta", "status", "TERMINATED", "version", "2"],
+    );
+    // Redis says so at once; after the owner's refresh (1 s) it answers without calling Redis.
+    std::thread::sleep(Duration::from_millis(1_500));
+    let lua_before = metric(&engine.metrics(), "flashsale_lua_latency_seconds_count");
+    for user in 10..15 {
+        let (status, v) = engine.submit(&mut c, user, 95, 96, &format!("a-{user}"));
+        assert_eq!((status, state(&v)), (200, "ACTIVITY_NOT_ACTIVE"));
+    }
+    let lua_after = metric(&engine.metrics(), "flashsale_lua_latency_seconds_count");
+    assert_eq!(lua_before, lua_after, "answered locally, no reserve call");
+    // A replay of the accepted request still gets its reservation.
+    let (status, replay) = engine.submit(&mut c, 1, 95, 96, "a-1");
+    assert_eq!((status, state(&replay)), (202, "QUEUED"));
+}

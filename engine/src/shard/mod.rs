@@ -278,6 +278,7 @@ pub async fn run(start: ShardStart) {
     }
     spawn_heartbeat(&shard);
     spawn_stock_recheck(&shard);
+    spawn_activity_refresh(&shard);
     crate::scanner::spawn(&shard, shared.config.scanner);
 
     // Shard 0 binds first and publishes the ports (port 0 in tests resolves to one port that
@@ -366,6 +367,59 @@ fn spawn_heartbeat(shard: &Rc<Shard>) {
         while !shard.shared.stopping.load(Ordering::Relaxed) {
             shard.shared.heartbeats[shard.id].store(now_ms(), Ordering::Relaxed);
             glommio::timer::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .detach();
+}
+
+/// How often the owner re-reads each tracked SKU's `meta` into its activity snapshot.
+const ACTIVITY_REFRESH_MS: u64 = 1_000;
+
+/// Keeps each owned SKU's activity snapshot (status, window, version) close to Redis' `meta`,
+/// so a SKU whose activity ended or was terminated is answered on the owner without a call.
+fn spawn_activity_refresh(shard: &Rc<Shard>) {
+    use crate::partition::{ActivitySnapshot, ActivityStatus};
+    let shard = Rc::clone(shard);
+    glommio::spawn_local(async move {
+        while !shard.shared.stopping.load(Ordering::Relaxed) {
+            glommio::timer::sleep(Duration::from_millis(ACTIVITY_REFRESH_MS)).await;
+            let keys: Vec<SkuKey> =
+                shard.partitions.borrow().keys().filter(|k| **k != UNTRACKED).copied().collect();
+            for key in keys {
+                let sku_keys = shard.sku_keys(key);
+                let reply = shard
+                    .functions
+                    .client()
+                    .command(&[
+                        b"HMGET",
+                        sku_keys.meta().as_bytes(),
+                        b"status",
+                        b"start_ms",
+                        b"end_ms",
+                        b"version",
+                    ])
+                    .await;
+                let Ok(reply) = reply else { continue };
+                let Some(fields) = reply.as_array() else { continue };
+                let text = |i: usize| fields.get(i).and_then(|f| f.as_str());
+                let num = |i: usize| text(i).and_then(|t| t.parse::<u64>().ok());
+                let status = match text(0) {
+                    Some("PENDING") => ActivityStatus::Pending,
+                    Some("ACTIVE") => ActivityStatus::Active,
+                    Some("ENDED") => ActivityStatus::Ended,
+                    Some("TERMINATED") => ActivityStatus::Terminated,
+                    _ => continue, // no meta (yet): Redis answers per request
+                };
+                let (Some(start_ms), Some(end_ms), Some(version)) = (num(1), num(2), num(3)) else {
+                    continue;
+                };
+                let snapshot = ActivitySnapshot { status, start_ms, end_ms, version };
+                shard.with_partition(key, |p| {
+                    if p.key() == key {
+                        p.set_activity(snapshot);
+                    }
+                });
+            }
         }
     })
     .detach();
