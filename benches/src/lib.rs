@@ -4,7 +4,11 @@
 //! benches, so this is a minimal launcher of its own: one process, no persistence, killed
 //! (and reaped) on drop. It never touches the machine's shared server on 6379.
 //!
-//! Not here: the load generator (later), the benches themselves (`benches/benches/`).
+//! The open-loop load generator lives in [`loadgen`] (binary `flashsale-loadgen`).
+//!
+//! Not here: the benches themselves (`benches/benches/`).
+
+pub mod loadgen;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};

@@ -37,12 +37,23 @@ enum Command {
     /// run the open-loop load generator, wait for the orders, print the report and the
     /// invariant verdict, stop everything it started.
     Demo(DemoArgs),
+    /// The PostgreSQL worker pool (order-writer) and outbox publisher alone: no HTTP, no Redis.
+    Worker(ConnWorkerArgs),
     /// The open-loop load generator (runs the `flashsale-loadgen` binary beside this one).
     Loadgen {
         /// Arguments for flashsale-loadgen (see `flashsale loadgen -- --help`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+#[derive(Args)]
+struct ConnWorkerArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// NATS URL (overrides FLASHSALE_NATS_URL).
+    #[arg(long)]
+    nats_url: Option<String>,
 }
 
 #[derive(Args)]
@@ -102,6 +113,10 @@ struct ServeArgs {
     /// production: anyone can mint passes).
     #[arg(long)]
     insecure_dev_auth: bool,
+    /// Do not run the order-writer and outbox publisher in this process (run `flashsale
+    /// worker` instead).
+    #[arg(long)]
+    no_worker: bool,
     /// Seconds between SIGTERM (readiness turns false, listeners stop accepting) and the
     /// stop: long enough for the load balancer's health check to take the instance out and
     /// for requests in flight to finish.
@@ -179,6 +194,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Serve(args) => serve(args),
         Command::Demo(args) => demo(args),
+        Command::Worker(args) => worker(args),
         Command::Loadgen { args } => {
             let status = std::process::Command::new(sibling_binary("flashsale-loadgen")?)
                 .args(args)
@@ -270,6 +286,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
         io_memory_bytes: 1 << 20,
         render_extra: None,
+        worker: (!args.no_worker)
+            .then(|| serve::default_worker_config(&config.pg_url, &config.nats_url)),
     };
     let handle = serve::start(serve_config)?;
     eprintln!(
@@ -345,6 +363,7 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
         durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
         io_memory_bytes: 1 << 20,
         render_extra: None,
+        worker: Some(serve::default_worker_config(&config.pg_url, &config.nats_url)),
     };
     let handle = serve::start(serve_config)?;
     eprintln!(
@@ -379,5 +398,27 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
     stack::down(&args.dir, false)?;
     anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
     eprintln!("demo: report in {}, picture in {}", args.json.display(), args.svg.display());
+    Ok(())
+}
+
+/// `flashsale worker`: the durable pipeline alone, scaled separately from the edge.
+fn worker(args: ConnWorkerArgs) -> anyhow::Result<()> {
+    let overrides =
+        Overrides { pg_url: args.conn.pg_url, nats_url: args.nats_url, ..Default::default() };
+    let config = Config::load(
+        args.conn.config.as_deref(),
+        &config::process_env(),
+        &overrides,
+        &args.conn.stack_dir,
+    )?;
+    migrate(&config)?;
+    let worker_config =
+        flashsale_engine::serve::default_worker_config(&config.pg_url, &config.nats_url);
+    let handle = flashsale_pg_worker::worker::start(worker_config)
+        .map_err(|e| anyhow::anyhow!("start the worker: {e}"))?;
+    eprintln!("flashsale worker: consuming SECKILL_ORDERS into {}", config.pg_url);
+    wait_for_termination()?;
+    tracing::info!("signal received: finishing the batch in hand, then stopping");
+    handle.shutdown().map_err(|e| anyhow::anyhow!("worker shutdown: {e}"))?;
     Ok(())
 }

@@ -41,6 +41,21 @@ pub struct ServeConfig {
     /// Memory glommio registers per executor for I/O (counts against `ulimit -l`).
     pub io_memory_bytes: usize,
     pub render_extra: Option<Box<dyn Fn() -> String + Send + Sync>>,
+    /// The order-writer and outbox publisher in this process (`None`: `--no-worker`, run
+    /// `flashsale worker` separately).
+    pub worker: Option<flashsale_pg_worker::worker::WorkerConfig>,
+}
+
+/// The worker's configuration for this engine's stores (its own pool and runtime: a bulkhead
+/// apart from the edge's).
+pub fn default_worker_config(
+    pg_url: &str,
+    nats_url: &str,
+) -> flashsale_pg_worker::worker::WorkerConfig {
+    let mut config = flashsale_pg_worker::worker::WorkerConfig::default();
+    config.pg.url = pg_url.to_owned();
+    config.log.url = nats_url.to_owned();
+    config
 }
 
 /// Resolves `redis://host:port[/db]` to the address of its (single) node.
@@ -64,7 +79,14 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         connections_per_shard_max: 16_384,
         header_read_timeout_ms: 5_000,
         idle_timeout_ms: 60_000,
-        redis: RedisConfig::new(redis),
+        redis: RedisConfig {
+            // Every SKU's admission bound (partition.in_flight_max, 1,024) fits under it with
+            // room for queries, mark_sent and the scanner, so a full SKU answers OVERLOADED
+            // before the shared connection would answer Full (SYSTEM_BUSY). The queueing
+            // delay this allows, 4,096 × ~20 µs ≈ 82 ms, stays well under the 250 ms deadline.
+            in_flight_max: 4_096,
+            ..RedisConfig::new(redis)
+        },
         pending_grace_ms: 2_000,
         order_deadline_ms: 10_000,
         publish_wait_ms: 500,
@@ -103,6 +125,7 @@ pub struct ServeHandle {
     shared: Arc<EdgeShared>,
     executors: Vec<ExecutorJoinHandle<()>>,
     durable: Option<Durable>,
+    worker: Option<flashsale_pg_worker::worker::WorkerHandle>,
 }
 
 impl ServeHandle {
@@ -123,6 +146,12 @@ impl ServeHandle {
         for executor in self.executors.drain(..) {
             let _ = executor.join();
         }
+        // Stop pulling, finish the batch in hand (commit, then ack), then close.
+        if let Some(worker) = self.worker.take() {
+            if let Err(e) = worker.shutdown() {
+                tracing::warn!(error = %e, "worker shutdown");
+            }
+        }
         if let Some(durable) = self.durable.take() {
             durable.shutdown();
         }
@@ -137,11 +166,26 @@ impl Drop for ServeHandle {
 
 pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     let shard_count = config.shards;
+    anyhow::ensure!(
+        config.edge.partition.in_flight_max as usize <= config.edge.redis.in_flight_max,
+        "a SKU's in-flight bound ({}) must not exceed the Redis connection's ({})",
+        config.edge.partition.in_flight_max,
+        config.edge.redis.in_flight_max
+    );
+    config.edge.http.validate().map_err(|e| anyhow::anyhow!("http limits: {e}"))?;
+    config.edge.redis.validate().map_err(|e| anyhow::anyhow!("redis config: {e}"))?;
     let table = PartitionTable::new(shard_count, &config.pins)?;
     let (sync_senders, sync_receivers): (Vec<_>, Vec<_>) =
         (0..shard_count).map(|_| tokio::sync::mpsc::channel(config.edge.mesh_capacity)).unzip();
     let targets = crate::sync::SyncTargets { table: table.clone(), shards: sync_senders };
     let (durable, durable_handle) = Durable::start(config.durable.clone(), Some(targets))?;
+    let worker = match config.worker.clone() {
+        Some(worker_config) => Some(
+            flashsale_pg_worker::worker::start(worker_config)
+                .map_err(|e| anyhow::anyhow!("start the order worker: {e}"))?,
+        ),
+        None => None,
+    };
     let shared = Arc::new(EdgeShared {
         config: config.edge.clone(),
         table,
@@ -186,6 +230,7 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
         shared: Arc::clone(&shared),
         executors,
         durable: Some(durable),
+        worker,
     };
     // Wait until every shard listens (or one failed).
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -1,8 +1,9 @@
 //! The crate's one error type at its boundary, and the SqlState classification
 //! behind `is_transient()`.
 //!
-//! What it is: `PgError` wraps driver errors and the few failures this crate
-//! detects itself (a refused migration, a bad argument), and answers the two
+//! What it is: `PgError` wraps driver errors, the few failures this crate
+//! detects itself (a refused migration, a bad argument, a bad worker config), the
+//! pool's and the log's errors (the worker's two other boundaries), and answers the two
 //! questions callers ask: "is this worth retrying on a fresh connection or a
 //! new transaction?" and "which constraint fired?".
 //!
@@ -60,6 +61,32 @@ pub enum PgError {
     /// A caller passed an argument outside its documented bounds.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
+
+    /// The connection pool handed out no connection in time, or was closed. A
+    /// connect failure of the server itself arrives as `Db`.
+    #[error("connection pool: {0}")]
+    Pool(String),
+
+    /// The replicated log (JetStream) failed; the worker's other boundary.
+    #[error(transparent)]
+    Log(#[from] flashsale_io::log::LogError),
+
+    /// A worker configuration that cannot work (refused at start-up).
+    #[error("invalid worker configuration: {0}")]
+    Config(String),
+
+    /// The worker's own runtime or threads could not be started or joined.
+    #[error("worker runtime: {0}")]
+    Runtime(String),
+}
+
+impl From<deadpool_postgres::PoolError> for PgError {
+    fn from(e: deadpool_postgres::PoolError) -> PgError {
+        match e {
+            deadpool_postgres::PoolError::Backend(db) => PgError::Db(db),
+            other => PgError::Pool(other.to_string()),
+        }
+    }
 }
 
 impl PgError {
@@ -70,7 +97,11 @@ impl PgError {
             PgError::MigrationChecksumMismatch { .. }
             | PgError::MigrationUnknown { .. }
             | PgError::MigrationList(_)
-            | PgError::InvalidArgument(_) => None,
+            | PgError::InvalidArgument(_)
+            | PgError::Pool(_)
+            | PgError::Log(_)
+            | PgError::Config(_)
+            | PgError::Runtime(_) => None,
         }
     }
 
@@ -104,11 +135,22 @@ impl PgError {
     /// connection-class failures, on a new connection), may succeed. Never true
     /// for constraint violations, bad SQL or a refused migration.
     pub fn is_transient(&self) -> bool {
-        match self.db_error() {
-            Some(e) => driver_error_is_transient(e),
-            None => false,
+        match self {
+            // Waiting longer (or a reconnect) may hand out a connection.
+            PgError::Pool(_) => true,
+            PgError::Log(e) => e.is_transient(),
+            _ => match self.db_error() {
+                Some(e) => driver_error_is_transient(e),
+                None => false,
+            },
         }
     }
+}
+
+/// Whether a bare driver error is worth a retry (the rules of
+/// [`PgError::is_transient`], for callers that must keep the error itself).
+pub fn sql_error_is_transient(e: &tokio_postgres::Error) -> bool {
+    driver_error_is_transient(e)
 }
 
 /// Classifies one driver error.

@@ -1,23 +1,49 @@
 //! `flashsale-pg-worker`: the PostgreSQL side of flashsale, the final source of
 //! truth (DESIGN.md section 2).
 //!
-//! What it is today: the schema and its migrations (`migrate`), inventory token
-//! generation and claiming (`tokens`), and the crate's one error type with its
-//! retry classification (`error`).
+//! What it is: the schema and its migrations (`migrate`), inventory token
+//! generation and claiming (`tokens`), the crate's one error type with its
+//! retry classification (`error`), and the durable pipeline's PostgreSQL side
+//! (DESIGN.md section 5):
+//!
+//! - `order_writer`: several order-create messages per transaction, pipelined,
+//!   each outcome kept apart; `classify`: the sans-I/O rules that settle each
+//!   delivery (ack after commit, NAK with backoff, dead letter) and the event each
+//!   outcome announces;
+//! - `outbox`: `SKIP LOCKED` batches of `event_outbox` to `SECKILL_EVENTS`;
+//! - `worker`: the pool of tasks on its own tokio runtime (`start` →
+//!   `WorkerHandle`), used by `flashsale serve` and `flashsale worker`;
+//! - `pool`: the connection pool (multi-host URLs); `sql`: the statements;
+//! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7).
 //!
 //! What it is not: the edge (no Redis, no HTTP), nor the JetStream client (the
-//! `io` crate). The consumer loop that turns order-create messages into
-//! orders, and the outbox publisher, are built on these pieces (DESIGN.md
-//! section 5).
+//! `io` crate's `log`, which this crate drives).
 //!
 //! Read next: `migrations/0001_init.sql` for the tables and which invariant of
-//! DESIGN.md section 8 each constraint enforces; then `migrate.rs`, `tokens.rs`.
+//! DESIGN.md section 8 each constraint enforces, `0002_order_create.sql` for the
+//! per-message transaction; then `worker.rs`, `order_writer.rs`, `classify.rs`.
 
+pub mod audit;
+pub mod classify;
 pub mod edge;
 pub mod error;
 pub mod migrate;
+pub mod order_writer;
+pub mod outbox;
+pub mod pool;
+pub mod sql;
 pub mod tokens;
+pub mod worker;
 
+/// The pool crate, so callers can name `Pool` / `Client` without depending on it.
+pub use deadpool_postgres;
+
+pub use audit::{check_invariants, InvariantReport};
+pub use classify::{Action, Attempt, Recorded, RetryPolicy, WriteOutcome};
 pub use error::PgError;
 pub use migrate::{apply_migrations, migrate, MigrateReport, Migration, MIGRATIONS};
+pub use order_writer::write_batch;
+pub use outbox::{publish_once, OutboxRound};
+pub use pool::{build_pool, PgPoolConfig};
 pub use tokens::{claim_token, generate_tokens, ClaimOutcome};
+pub use worker::{start, WorkerConfig, WorkerHandle};

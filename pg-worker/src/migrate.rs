@@ -48,8 +48,14 @@ impl Migration {
 
 /// The schema, in order. Never edit an entry once it has been applied
 /// anywhere; append a new one.
-pub const MIGRATIONS: &[Migration] =
-    &[Migration { version: 1, name: "init", sql: include_str!("../migrations/0001_init.sql") }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "init", sql: include_str!("../migrations/0001_init.sql") },
+    Migration {
+        version: 2,
+        name: "order_create",
+        sql: include_str!("../migrations/0002_order_create.sql"),
+    },
+];
 
 // A malformed list is a build defect: catch it at compile time.
 const _: () = assert!(migration_list_is_valid(MIGRATIONS));
@@ -328,15 +334,19 @@ mod tests {
     }
 
     #[test]
-    fn embedded_init_is_transaction_safe() {
+    fn embedded_migrations_are_transaction_safe() {
         // apply_one wraps each file in its own transaction.
-        let sql = MIGRATIONS[0].sql.to_ascii_uppercase();
-        for forbidden in ["BEGIN;", "COMMIT;", "CONCURRENTLY", "VACUUM"] {
-            let in_code = sql.lines().filter(|l| !l.trim_start().starts_with("--"));
-            assert!(
-                !in_code.clone().any(|l| l.contains(forbidden)),
-                "{forbidden} in 0001_init.sql"
-            );
+        for migration in MIGRATIONS {
+            let sql = migration.sql.to_ascii_uppercase();
+            for forbidden in ["BEGIN;", "COMMIT;", "CONCURRENTLY", "VACUUM"] {
+                let in_code = sql.lines().filter(|l| !l.trim_start().starts_with("--"));
+                assert!(
+                    !in_code.clone().any(|l| l.contains(forbidden)),
+                    "{forbidden} in migration {} ({})",
+                    migration.version,
+                    migration.name
+                );
+            }
         }
     }
 }

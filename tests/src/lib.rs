@@ -14,6 +14,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use flashsale_engine::auth::PassKeys;
+use flashsale_engine::ids::{ActivityId, UserId};
+use flashsale_engine::serve::{self, Pinning, ServeConfig, ServeHandle};
 use flashsale_engine::stack::{self, Kind, Server};
 
 /// A server private to one test; stopped when dropped.
@@ -266,4 +269,134 @@ impl HttpClient {
         self.send_raw(raw.as_bytes());
         self.read_response().expect("a response before the connection closed")
     }
+}
+
+// ---- the engine in-process ---------------------------------------------------------------
+
+/// The pass key list every in-process engine of the suite uses.
+pub const KEYS: &str = "k1:0123456789abcdef0123456789abcdef";
+
+/// The engine in-process (2 unpinned shards, ports 0) against its own private Redis and NATS
+/// and its own database, as `flashsale serve` runs it. Stopped on drop.
+pub struct Engine {
+    handle: Option<ServeHandle>,
+    pub redis: PrivateRedis,
+    pub nats: PrivateNats,
+    pub db: TestDb,
+    pub keys: PassKeys,
+}
+
+impl Engine {
+    pub fn start() -> Engine {
+        Engine::start_with(|_| {})
+    }
+
+    pub fn start_with(tune: impl FnOnce(&mut ServeConfig)) -> Engine {
+        let redis = crate::redis();
+        let nats = crate::nats();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let db = runtime.block_on(async {
+            let db = crate::pg_database().await;
+            let (mut client, conn) =
+                tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
+            let driver = tokio::spawn(conn);
+            flashsale_pg_worker::migrate(&mut client).await.unwrap();
+            drop(client);
+            let _ = driver.await;
+            db
+        });
+        let mut config = ServeConfig {
+            shards: 2,
+            pins: Vec::new(),
+            pinning: Pinning::Unpinned,
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            admin_addr: "127.0.0.1:0".parse().unwrap(),
+            pass_keys: PassKeys::parse(KEYS).unwrap(),
+            admin_token: None,
+            edge: serve::default_edge_config(redis.addr()),
+            durable: serve::default_durable_config(&db.url, &nats.url()),
+            io_memory_bytes: 256 << 10,
+            render_extra: None,
+            // The edge alone: outcomes are injected as events where a test needs them.
+            worker: None,
+        };
+        tune(&mut config);
+        let handle = serve::start(config).expect("engine starts");
+        let keys = PassKeys::parse(KEYS).unwrap();
+        Engine { handle: Some(handle), redis, nats, db, keys }
+    }
+
+    pub fn http(&self) -> SocketAddr {
+        self.handle.as_ref().unwrap().http_addr
+    }
+
+    pub fn admin(&self) -> SocketAddr {
+        self.handle.as_ref().unwrap().admin_addr
+    }
+
+    pub fn pass(&self, user: u64, activity: u64) -> String {
+        let exp =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
+                + 3600;
+        self.keys.mint("k1", UserId(user), ActivityId(activity), exp).unwrap()
+    }
+
+    pub fn create_activity(&self, activity: u64, sku: u64, stock: u64) {
+        let mut admin = HttpClient::connect(self.admin());
+        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock}}}"#);
+        let resp = admin.request("POST", "/admin/v1/activities", None, Some(&body));
+        assert_eq!(resp.status, 201, "{}", resp.body);
+    }
+
+    pub fn submit(
+        &self,
+        client: &mut HttpClient,
+        user: u64,
+        activity: u64,
+        sku: u64,
+        request_id: &str,
+    ) -> (u16, serde_json::Value) {
+        let pass = self.pass(user, activity);
+        let body = format!(
+            r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{request_id}","quantity":1}}"#
+        );
+        let resp = client.request("POST", "/v1/reservations", Some(&pass), Some(&body));
+        (resp.status, resp.json())
+    }
+
+    pub fn query(
+        &self,
+        client: &mut HttpClient,
+        user: u64,
+        activity: u64,
+        sku: u64,
+        request_id: &str,
+    ) -> (u16, serde_json::Value) {
+        let pass = self.pass(user, activity);
+        let path = format!("/v1/reservations/{request_id}?activity_id={activity}&sku_id={sku}");
+        let resp = client.request("GET", &path, Some(&pass), None);
+        (resp.status, resp.json())
+    }
+
+    pub fn metrics(&self) -> String {
+        HttpClient::connect(self.admin()).request("GET", "/metrics", None, None).body
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            handle.shutdown();
+        }
+    }
+}
+
+/// A synchronous Redis command through redis-cli (test-only inspection of a private Redis).
+pub fn redis_cmd(redis: &PrivateRedis, args: &[&str]) -> String {
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port().to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }

@@ -2,126 +2,9 @@
 //! and PostgreSQL, driven over real TCP with exact bytes. Every state of CONTRACT.md 3.2 and
 //! 3.3 that the edge produces on its own is reached and asserted here.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use flashsale_engine::auth::PassKeys;
-use flashsale_engine::ids::{ActivityId, UserId};
-use flashsale_engine::serve::{self, Pinning, ServeConfig, ServeHandle};
-use flashsale_tests::{HttpClient, PrivateNats, PrivateRedis, TestDb};
-
-const KEYS: &str = "k1:0123456789abcdef0123456789abcdef";
-
-struct Engine {
-    handle: Option<ServeHandle>,
-    redis: PrivateRedis,
-    nats: PrivateNats,
-    _db: TestDb,
-    keys: PassKeys,
-}
-
-impl Engine {
-    fn start() -> Engine {
-        Engine::start_with(|_| {})
-    }
-
-    fn start_with(tune: impl FnOnce(&mut ServeConfig)) -> Engine {
-        let redis = flashsale_tests::redis();
-        let nats = flashsale_tests::nats();
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let db = runtime.block_on(async {
-            let db = flashsale_tests::pg_database().await;
-            let (mut client, conn) =
-                tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
-            let driver = tokio::spawn(conn);
-            flashsale_pg_worker::migrate(&mut client).await.unwrap();
-            drop(client);
-            let _ = driver.await;
-            db
-        });
-        let mut config = ServeConfig {
-            shards: 2,
-            pins: Vec::new(),
-            pinning: Pinning::Unpinned,
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            admin_addr: "127.0.0.1:0".parse().unwrap(),
-            pass_keys: PassKeys::parse(KEYS).unwrap(),
-            admin_token: None,
-            edge: serve::default_edge_config(redis.addr()),
-            durable: serve::default_durable_config(&db.url, &nats.url()),
-            io_memory_bytes: 256 << 10,
-            render_extra: None,
-        };
-        tune(&mut config);
-        let handle = serve::start(config).expect("engine starts");
-        let keys = PassKeys::parse(KEYS).unwrap();
-        Engine { handle: Some(handle), redis, nats, _db: db, keys }
-    }
-
-    fn http(&self) -> SocketAddr {
-        self.handle.as_ref().unwrap().http_addr
-    }
-
-    fn admin(&self) -> SocketAddr {
-        self.handle.as_ref().unwrap().admin_addr
-    }
-
-    fn pass(&self, user: u64, activity: u64) -> String {
-        let exp =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
-                + 3600;
-        self.keys.mint("k1", UserId(user), ActivityId(activity), exp).unwrap()
-    }
-
-    fn create_activity(&self, activity: u64, sku: u64, stock: u64) {
-        let mut admin = HttpClient::connect(self.admin());
-        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock}}}"#);
-        let resp = admin.request("POST", "/admin/v1/activities", None, Some(&body));
-        assert_eq!(resp.status, 201, "{}", resp.body);
-    }
-
-    fn submit(
-        &self,
-        client: &mut HttpClient,
-        user: u64,
-        activity: u64,
-        sku: u64,
-        request_id: &str,
-    ) -> (u16, serde_json::Value) {
-        let pass = self.pass(user, activity);
-        let body = format!(
-            r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{request_id}","quantity":1}}"#
-        );
-        let resp = client.request("POST", "/v1/reservations", Some(&pass), Some(&body));
-        (resp.status, resp.json())
-    }
-
-    fn query(
-        &self,
-        client: &mut HttpClient,
-        user: u64,
-        activity: u64,
-        sku: u64,
-        request_id: &str,
-    ) -> (u16, serde_json::Value) {
-        let pass = self.pass(user, activity);
-        let path = format!("/v1/reservations/{request_id}?activity_id={activity}&sku_id={sku}");
-        let resp = client.request("GET", &path, Some(&pass), None);
-        (resp.status, resp.json())
-    }
-
-    fn metrics(&self) -> String {
-        HttpClient::connect(self.admin()).request("GET", "/metrics", None, None).body
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        if let Some(handle) = self.handle.take() {
-            handle.shutdown();
-        }
-    }
-}
+use flashsale_tests::{redis_cmd, Engine, HttpClient};
 
 fn state(v: &serde_json::Value) -> &str {
     v["state"].as_str().unwrap_or("")
@@ -508,16 +391,6 @@ fn admin_token_is_required_when_set() {
     assert_eq!(a.request("GET", "/metrics", Some("s3cret-token"), None).status, 200);
 }
 
-/// A synchronous Redis command through redis-cli (test-only inspection).
-fn redis_cmd(redis: &PrivateRedis, args: &[&str]) -> String {
-    let out = std::process::Command::new("redis-cli")
-        .args(["-p", &redis.port().to_string()])
-        .args(args)
-        .output()
-        .expect("redis-cli");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 #[test]
 fn admission_bound_is_overloaded_and_user_limit_is_rate_limited() {
     let engine = Engine::start_with(|c| {
@@ -694,4 +567,48 @@ fn an_ended_activity_is_answered_on_the_owner_after_the_snapshot_refresh() {
     // A replay of the accepted request still gets its reservation.
     let (status, replay) = engine.submit(&mut c, 1, 95, 96, "a-1");
     assert_eq!((status, state(&replay)), (202, "QUEUED"));
+}
+
+#[test]
+fn end_to_end_through_serve_a_queued_request_becomes_an_order() {
+    let engine = Engine::start_with(|c| {
+        let mut worker =
+            flashsale_engine::serve::default_worker_config(&c.durable.pg_url, &c.durable.log.url);
+        worker.pg.pool_size = 4;
+        worker.runtime_threads = 1;
+        worker.order_writers = 1;
+        worker.fetch_wait_ms = 50;
+        c.worker = Some(worker);
+    });
+    engine.create_activity(101, 102, 2);
+    let mut c = HttpClient::connect(engine.http());
+    let (status, queued) = engine.submit(&mut c, 1, 101, 102, "e2e-1");
+    assert_eq!((status, state(&queued)), (202, "QUEUED"), "{queued}");
+    let resv = queued["reservation_id"].as_str().unwrap().to_string();
+    let mut order_id = String::new();
+    wait_for_ms("SUCCEEDED", 10_000, || {
+        let (_, v) = engine.query(&mut c, 1, 101, 102, "e2e-1");
+        if state(&v) == "SUCCEEDED" {
+            order_id = v["order_id"].as_str().unwrap_or("").to_string();
+            assert_eq!(v["reservation_id"], resv.as_str());
+            true
+        } else {
+            assert_eq!(state(&v), "QUEUING", "{v}");
+            false
+        }
+    });
+    assert!(order_id.starts_with("ord_"), "{order_id}");
+    // The reservation left pending once its outcome reached Redis.
+    wait_for("pending empty", || {
+        redis_cmd(&engine.redis, &["ZCARD", "seckill:{101:102}:resv:pending"]) == "0"
+    });
+    // The same user's second request is a duplicate; the admin view counts the order.
+    assert_eq!(state(&engine.submit(&mut c, 1, 101, 102, "e2e-2").1), "DUPLICATE_USER");
+    let sku = HttpClient::connect(engine.admin()).request(
+        "GET",
+        "/admin/v1/activities/101/skus/102",
+        None,
+        None,
+    );
+    assert_eq!(sku.json()["live"]["orders_created"], 1, "{}", sku.body);
 }

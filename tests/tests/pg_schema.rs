@@ -66,6 +66,15 @@ async fn seed_sku(client: &Client, activity_id: i64, sku_id: i64, stock: i64) {
         .expect("insert sku_inventory");
 }
 
+/// The highest embedded migration version, and every version in order.
+fn latest_version() -> u32 {
+    MIGRATIONS.last().map_or(0, |m| m.version)
+}
+
+fn all_versions() -> Vec<u32> {
+    MIGRATIONS.iter().map(|m| m.version).collect()
+}
+
 async fn count(client: &Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e}")).get(0)
 }
@@ -93,11 +102,11 @@ async fn migrate_twice_applies_nothing_the_second_time() {
     let mut client = connect(&db).await;
 
     let first = migrate(&mut client).await.expect("first migrate");
-    assert_eq!(first.applied, vec![1]);
-    assert_eq!(first.current_version, 1);
+    assert_eq!(first.applied, all_versions());
+    assert_eq!(first.current_version, latest_version());
     let second = migrate(&mut client).await.expect("second migrate");
     assert!(second.applied.is_empty(), "{second:?}");
-    assert_eq!(second.current_version, 1);
+    assert_eq!(second.current_version, latest_version());
 
     // Every contract table exists in `public`, plus the history table.
     let tables: HashSet<String> = client
@@ -130,7 +139,10 @@ async fn migrate_twice_applies_nothing_the_second_time() {
         .expect("history row");
     assert_eq!(row.get::<_, String>(0), "init");
     assert_eq!(row.get::<_, String>(1), MIGRATIONS[0].checksum());
-    assert_eq!(count(&client, "SELECT count(*) FROM schema_migrations").await, 1);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM schema_migrations").await,
+        i64::from(latest_version())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,12 +163,16 @@ async fn concurrent_migrations_on_a_fresh_database_apply_once() {
     let mut applied = Vec::new();
     for task in tasks {
         let report = task.await.expect("join").expect("every concurrent migrate succeeds");
-        assert_eq!(report.current_version, 1);
+        assert_eq!(report.current_version, latest_version());
         applied.extend(report.applied);
     }
-    assert_eq!(applied, vec![1], "exactly one migrator applies version 1");
+    applied.sort_unstable();
+    assert_eq!(applied, all_versions(), "exactly one migrator applies each version");
     let client = connect(&db).await;
-    assert_eq!(count(&client, "SELECT count(*) FROM schema_migrations").await, 1);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM schema_migrations").await,
+        i64::from(latest_version())
+    );
 }
 
 #[tokio::test]
@@ -204,7 +220,8 @@ async fn a_version_from_a_newer_build_is_refused() {
         .expect("insert a future version");
     let err = migrate(&mut client).await.expect_err("unknown version");
     assert!(
-        matches!(&err, PgError::MigrationUnknown { version: 7, known_max: 1, name } if name == "future"),
+        matches!(&err, PgError::MigrationUnknown { version: 7, known_max, name }
+            if name == "future" && *known_max == latest_version()),
         "{err:?}"
     );
 }
@@ -213,27 +230,29 @@ async fn a_version_from_a_newer_build_is_refused() {
 async fn a_later_migration_applies_alone_and_a_failing_one_leaves_nothing() {
     let (_db, mut client) = migrated().await;
 
-    let good = [
-        MIGRATIONS[0],
-        Migration { version: 2, name: "add_note", sql: "ALTER TABLE orders ADD COLUMN note text" },
-    ];
-    let report = apply_migrations(&mut client, &good).await.expect("apply 2");
-    assert_eq!(report.applied, vec![2]);
-    assert_eq!(report.current_version, 2);
+    // Versions far above the embedded list, so they never collide with a real one.
+    let note = Migration {
+        version: 100,
+        name: "add_note",
+        sql: "ALTER TABLE orders ADD COLUMN note text",
+    };
+    let good: Vec<Migration> = MIGRATIONS.iter().copied().chain([note]).collect();
+    let report = apply_migrations(&mut client, &good).await.expect("apply 100");
+    assert_eq!(report.applied, vec![100]);
+    assert_eq!(report.current_version, 100);
 
-    // Version 3 creates a table, then fails: the whole file rolls back and is
+    // Version 101 creates a table, then fails: the whole file rolls back and is
     // not recorded, so the next run retries it from scratch.
     let failing = Migration {
-        version: 3,
+        version: 101,
         name: "broken",
         sql: "CREATE TABLE half_done (x int); SELECT no_such_column FROM orders",
     };
-    let err = apply_migrations(&mut client, &[good[0], good[1], failing])
-        .await
-        .expect_err("broken migration");
+    let with_failing: Vec<Migration> = good.iter().copied().chain([failing]).collect();
+    let err = apply_migrations(&mut client, &with_failing).await.expect_err("broken migration");
     match &err {
-        PgError::MigrationFailed { version: 3, name: "broken", .. } => {}
-        other => panic!("expected MigrationFailed for 3, got {other:?}"),
+        PgError::MigrationFailed { version: 101, name: "broken", .. } => {}
+        other => panic!("expected MigrationFailed for 101, got {other:?}"),
     }
     assert_eq!(err.sql_state(), Some(&SqlState::UNDEFINED_COLUMN));
     assert!(!err.is_transient());
@@ -242,12 +261,12 @@ async fn a_later_migration_applies_alone_and_a_failing_one_leaves_nothing() {
         0,
         "the failed migration's first statement must be rolled back"
     );
-    assert_eq!(count(&client, "SELECT max(version)::bigint FROM schema_migrations").await, 2);
+    assert_eq!(count(&client, "SELECT max(version)::bigint FROM schema_migrations").await, 100);
 
-    // The recorded history as the production list sees it: version 2 is from
+    // The recorded history as the production list sees it: version 100 is from
     // a "newer build" now.
-    let err = migrate(&mut client).await.expect_err("v2 unknown to the embedded list");
-    assert!(matches!(err, PgError::MigrationUnknown { version: 2, .. }), "{err}");
+    let err = migrate(&mut client).await.expect_err("v100 unknown to the embedded list");
+    assert!(matches!(err, PgError::MigrationUnknown { version: 100, .. }), "{err}");
 }
 
 // ---------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+//! The command line of `flashsale-loadgen` (and of `flashsale loadgen`, which execs it):
+//! flags, their defaults, and the conversion into a [`LoadConfig`].
+//!
+//! Exit codes (CONTRACT.md section 1): 0 the run completed and every checked invariant held;
+//! 1 the run could not complete, a checked invariant was violated, or (with `--pg-url`) the
+//! orders did not drain within `--drain-timeout-s`; 2 usage errors.
+//!
+//! Read next: `config.rs`.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+use super::config::{default_run_id, LoadConfig, Progress, RetryPolicy};
+use super::schedule::Profile;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RetryFlag {
+    /// Record UNKNOWN / OVERLOADED / SYSTEM_BUSY answers and move on.
+    Off,
+    /// Re-send with the SAME request id after retry_after_ms, at most --retry-max times.
+    SameId,
+}
+
+/// Open-loop load generator for the flashsale engine: requests leave on a fixed schedule
+/// whatever the server does, latency is measured from each request's intended send time.
+#[derive(Debug, Parser)]
+#[command(name = "flashsale-loadgen", version)]
+pub struct Args {
+    /// Public listener of the engine.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub target: String,
+    /// Admin listener (for --create-activity).
+    #[arg(long, default_value = "http://127.0.0.1:9090")]
+    pub admin: String,
+    /// Bearer token of the admin API.
+    #[arg(long, env = "FLASHSALE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Requests per second (the peak, with --ramp-ms).
+    #[arg(long, default_value_t = 10_000)]
+    pub rate: u64,
+    /// Burst profile: ramp linearly from 0 to --rate over this many ms (≤ 1000), then hold.
+    /// 0 = constant rate from the start.
+    #[arg(long, default_value_t = 0)]
+    pub ramp_ms: u64,
+    /// Length of the schedule in seconds (fractions allowed).
+    #[arg(long, default_value_t = 10.0)]
+    pub duration_s: f64,
+    /// Keep-alive connections.
+    #[arg(long, default_value_t = 256)]
+    pub connections: usize,
+    /// Requests in flight per connection (1 = no pipelining).
+    #[arg(long, default_value_t = 1)]
+    pub pipeline: usize,
+    /// Threads of the generator (its tokio runtime).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    #[arg(long, default_value_t = 10_001)]
+    pub activity_id: u64,
+    #[arg(long, default_value_t = 20_001)]
+    pub sku_id: u64,
+    /// Initial stock (created with --create-activity; the Redis checks compare against it).
+    #[arg(long)]
+    pub stock: Option<u64>,
+    /// Create the activity through the admin API before the run (needs --stock).
+    #[arg(long)]
+    pub create_activity: bool,
+    /// Distinct users (one pass each, minted before the run).
+    #[arg(long, default_value_t = 50_000)]
+    pub users: u32,
+    /// First user id.
+    #[arg(long, default_value_t = 1)]
+    pub user_id_base: u64,
+    /// Pass keys `kid:hexkey[,...]` (passes are minted with the first). Default: the public
+    /// development key that `flashsale serve --insecure-dev-auth` accepts.
+    #[arg(long, env = "FLASHSALE_PASS_KEYS", hide_env_values = true,
+          default_value = flashsale_engine::auth::DEV_PASS_KEYS)]
+    pub pass_keys: String,
+    /// Share of requests that re-send an earlier request of the same user with the same
+    /// request id (duplicate clicks).
+    #[arg(long, default_value_t = 0.10)]
+    pub duplicate_ratio: f64,
+    /// Retry policy for UNKNOWN / OVERLOADED / SYSTEM_BUSY answers.
+    #[arg(long, value_enum, default_value_t = RetryFlag::SameId)]
+    pub retry: RetryFlag,
+    /// Most retries of one request.
+    #[arg(long, default_value_t = 3)]
+    pub retry_max: u32,
+    /// Seed of the schedule's users and duplicates (same seed, same plan).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Prefix of request ids; default: derived from the clock, unique per run.
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// No answer within this long → the request counts as a timeout.
+    #[arg(long, default_value_t = 5_000)]
+    pub timeout_ms: u64,
+    /// Requests that may wait for a free connection; beyond it they are dropped (counted).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub queue_max: usize,
+    /// Redis of the engine: enables the Redis checks after the run.
+    #[arg(long)]
+    pub redis_url: Option<String>,
+    /// PostgreSQL of the engine: waits for the orders, then checks the invariants.
+    #[arg(long)]
+    pub pg_url: Option<String>,
+    /// Longest wait for the asynchronous path to drain before checking.
+    #[arg(long, default_value_t = 60)]
+    pub drain_timeout_s: u64,
+    /// A reservation without a final outcome younger than this is in flight, not lost.
+    #[arg(long, default_value_t = 900)]
+    pub recovery_deadline_s: u64,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write the latency and throughput picture (SVG) here.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// No progress line on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl Args {
+    pub fn into_config(self) -> LoadConfig {
+        let profile = if self.ramp_ms == 0 {
+            Profile::Constant { rate_per_s: self.rate }
+        } else {
+            Profile::Burst { peak_per_s: self.rate, ramp_ms: self.ramp_ms }
+        };
+        let duration_ms = if self.duration_s.is_finite() && self.duration_s > 0.0 {
+            (self.duration_s * 1_000.0).round() as u64
+        } else {
+            0 // refused by validate
+        };
+        LoadConfig {
+            target: self.target,
+            admin: Some(self.admin),
+            admin_token: self.admin_token,
+            profile,
+            duration_ms,
+            connections: self.connections,
+            pipeline: self.pipeline,
+            threads: self.threads,
+            activity_id: self.activity_id,
+            sku_id: self.sku_id,
+            stock: self.stock,
+            create_activity: self.create_activity,
+            users: self.users,
+            user_id_base: self.user_id_base,
+            pass_keys: self.pass_keys,
+            duplicate_ratio: self.duplicate_ratio,
+            retry: match self.retry {
+                RetryFlag::Off => RetryPolicy::Off,
+                RetryFlag::SameId => RetryPolicy::SameId { retry_max: self.retry_max },
+            },
+            seed: self.seed,
+            run_id: self.run_id.unwrap_or_else(default_run_id),
+            timeout_ms: self.timeout_ms,
+            queue_max: self.queue_max,
+            redis_url: self.redis_url,
+            pg_url: self.pg_url,
+            drain_timeout_s: self.drain_timeout_s,
+            recovery_deadline_ms: self.recovery_deadline_s.saturating_mul(1_000),
+            json_path: self.json,
+            svg_path: self.svg,
+            progress: if self.quiet { Progress::Off } else { Progress::Stderr },
+            trace_max: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_map_onto_the_config() {
+        let args = Args::try_parse_from([
+            "flashsale-loadgen",
+            "--rate",
+            "5000",
+            "--ramp-ms",
+            "500",
+            "--duration-s",
+            "1.5",
+            "--retry",
+            "off",
+            "--pipeline",
+            "4",
+            "--quiet",
+        ])
+        .unwrap();
+        let c = args.into_config();
+        assert_eq!(c.profile, Profile::Burst { peak_per_s: 5_000, ramp_ms: 500 });
+        assert_eq!((c.duration_ms, c.pipeline, c.retry), (1_500, 4, RetryPolicy::Off));
+        assert_eq!(c.progress, Progress::Off);
+        assert!(c.validate().is_ok());
+        let d = Args::try_parse_from(["flashsale-loadgen"]).unwrap().into_config();
+        assert_eq!(d.profile, Profile::Constant { rate_per_s: 10_000 });
+        assert_eq!((d.connections, d.duplicate_ratio), (256, 0.10));
+        assert_eq!(d.retry, RetryPolicy::SameId { retry_max: 3 });
+        assert!(Args::try_parse_from(["flashsale-loadgen", "--rate", "x"]).is_err());
+        let bad = Args::try_parse_from(["flashsale-loadgen", "--duration-s=-1"]).unwrap();
+        assert!(bad.into_config().validate().is_err());
+    }
+}

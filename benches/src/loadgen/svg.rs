@@ -1,0 +1,188 @@
+//! The run's picture (issue 5 item 3): one SVG with (a) latency by percentile per response
+//! state — x on a "nines" scale (0, 90, 99, 99.9, 99.99 %), y in ms on a log scale — and
+//! (b) throughput over time, requests sent and answered per second.
+//!
+//! Drawn with plotters' SVG backend only (no bitmap, no `ttf`): text goes into the SVG as
+//! `<text>` elements for the viewer to render, so nothing here reads system fonts and the
+//! build works on a bare Debian.
+//!
+//! Read next: `report.rs` (the curves come from there).
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use super::report::Report;
+use super::stats::SecondCounts;
+
+const WIDTH_PX: u32 = 1_000;
+const HEIGHT_PX: u32 = 900;
+const LATENCY_PANEL_PX: u32 = 520;
+
+/// A fixed colour per state, so pictures of different runs compare at a glance.
+fn color(state: &str) -> RGBColor {
+    match state {
+        "ALL" => RGBColor(0, 0, 0),
+        "QUEUED" => RGBColor(0, 150, 60),
+        "QUEUED_PENDING" => RGBColor(120, 190, 40),
+        "SOLD_OUT" => RGBColor(30, 90, 200),
+        "DUPLICATE_USER" => RGBColor(230, 130, 0),
+        "OVERLOADED" => RGBColor(210, 30, 30),
+        "SYSTEM_BUSY" => RGBColor(150, 0, 90),
+        "UNKNOWN" => RGBColor(130, 60, 200),
+        "RATE_LIMITED" => RGBColor(200, 170, 0),
+        _ => RGBColor(120, 120, 120),
+    }
+}
+
+fn nines_label(x: f64) -> String {
+    // x = -log10(1 - p): 0 → 0%, 1 → 90%, 2 → 99%, 3 → 99.9%, 4 → 99.99%.
+    let p = (1.0 - 10f64.powf(-x)) * 100.0;
+    // One more decimal per nine past the second: 99%, 99.9%, 99.99%.
+    let digits = (x.ceil() as usize).saturating_sub(2);
+    format!("{p:.digits$}%")
+}
+
+/// Writes the picture of `report` to `path`.
+pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
+    let root = SVGBackend::new(path, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let (top, bottom) = root.split_vertically(LATENCY_PANEL_PX);
+    draw_latency(report, &top)?;
+    draw_throughput(report, &bottom)?;
+    root.present().map_err(|e| format!("write {}: {e}", path.display()))
+}
+
+fn draw_latency<DB: DrawingBackend>(
+    report: &Report,
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+) -> Result<(), String> {
+    let points = report.percentile_curves.values().flatten();
+    let y_max = points.clone().map(|p| p.ms).fold(1.0f64, f64::max) * 1.5;
+    let y_min = points.map(|p| p.ms).filter(|ms| *ms > 0.0).fold(y_max, f64::min).max(0.001) / 1.5;
+    let caption = format!(
+        "Latency by percentile, from the intended send time — {}, achieved {:.0} req/s",
+        report.run.profile, report.achieved_rps
+    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(15)
+        // Room for the last x label ("99.99%"), centred on the right edge.
+        .margin_right(40)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..4f64, (y_min..y_max).log_scale())
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        // One label per nine: 0%, 90%, 99%, 99.9%, 99.99%.
+        .x_labels(5)
+        .x_label_formatter(&|x| nines_label(*x))
+        .y_label_formatter(&|y| format!("{y}"))
+        .x_desc("percentile")
+        .y_desc("latency (ms, log scale)")
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for (state, curve) in &report.percentile_curves {
+        if curve.is_empty() {
+            continue;
+        }
+        let c = color(state);
+        let width = if state == "ALL" { 3 } else { 2 };
+        let n = if state == "ALL" {
+            report.answered
+        } else {
+            report.counts.get(state).copied().unwrap_or(0)
+        };
+        chart
+            .draw_series(LineSeries::new(
+                curve.iter().map(|p| (p.nines, p.ms.max(y_min))),
+                c.stroke_width(width),
+            ))
+            .map_err(|e| e.to_string())?
+            .label(format!("{state} ({n})"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        // Curves rise to the right and sit above the fastest answers: the lower right is free.
+        .position(SeriesLabelPosition::LowerRight)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.85))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+/// One line of the throughput panel: name, colour, width in px, and the count it draws.
+type ThroughputSeries = (&'static str, RGBColor, u32, fn(&SecondCounts) -> u64);
+
+fn draw_throughput<DB: DrawingBackend>(
+    report: &Report,
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+) -> Result<(), String> {
+    let seconds = report.throughput.len().max(1) as f64;
+    let y_max = report
+        .throughput
+        .iter()
+        .map(|s| s.scheduled.max(s.sent).max(s.answered))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64
+        * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption("Throughput per second", ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..seconds, 0f64..y_max)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds since start")
+        .y_desc("requests / s")
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    // Scheduled (the open-loop plan) grey and widest, sent light, answered narrow on top: all
+    // three stay visible when they are equal, and a target that falls behind shows as a gap.
+    let series: [ThroughputSeries; 3] = [
+        ("scheduled", RGBColor(190, 190, 190), 8, |s| s.scheduled),
+        ("sent", RGBColor(120, 160, 230), 5, |s| s.sent),
+        ("answered", RGBColor(0, 130, 50), 2, |s| s.answered),
+    ];
+    for (name, c, width, value) in series {
+        // A step per second: each count covers its whole second.
+        let values = report.throughput.iter().flat_map(|s| {
+            let v = value(s) as f64;
+            let x = f64::from(s.second);
+            [(x, v), (x + 1.0, v)]
+        });
+        chart
+            .draw_series(LineSeries::new(values, c.stroke_width(width)))
+            .map_err(|e| e.to_string())?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.85))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nines_axis_labels() {
+        assert_eq!(nines_label(0.0), "0%");
+        assert_eq!(nines_label(1.0), "90%");
+        assert_eq!(nines_label(2.0), "99%");
+        assert_eq!(nines_label(2.5), "99.7%");
+        assert_eq!(nines_label(3.0), "99.9%");
+        assert_eq!(nines_label(4.0), "99.99%");
+    }
+}

@@ -1,0 +1,328 @@
+//! The invariant checker of DESIGN.md section 8, items 1–3 and 7, as seen from PostgreSQL.
+//!
+//! What it is: [`check_invariants`], ONE query that counts what each invariant is about for one
+//! SKU, and [`InvariantReport`], the counts plus a list of violations in words. Tests call it
+//! at the end of every scenario; the load generator, drills and the reconcile report reuse it.
+//!
+//! - I1 no oversell: live orders (not CANCELLED/CLOSED) ≤ total stock; no token held by two
+//!   live orders; every live TOKEN order holds a CLAIMED/SOLD token claimed by its own
+//!   reservation; ROW: `available_stock` + live orders = total stock.
+//! - I2 one per buyer: no (activity, sku, user) with two orders.
+//! - I3 token conservation (TOKEN): tokens = total stock = AVAILABLE + CLAIMED + SOLD +
+//!   RELEASED, and held (CLAIMED + SOLD) tokens = live orders (a held token without an order
+//!   is a leaked unit).
+//! - I7 ack after commit, from the database's side: no reservation committed in PROCESSING,
+//!   every ORDER_CREATED reservation has its order and every order its ORDER_CREATED
+//!   reservation, no order with two ledger CLAIMs (a replay that slipped through).
+//!
+//! What it is not: Redis (I4, I5) or the log: those need the other stores' view and live with
+//! the reconcile job. Read-only; runs in one statement, so it sees one snapshot.
+
+use tokio_postgres::Client;
+
+use crate::error::PgError;
+
+/// The counts behind the invariants of one SKU, and what is wrong with them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InvariantReport {
+    pub activity_id: i64,
+    pub sku_id: i64,
+    /// False when the SKU has no `sku_inventory` row (then nothing else is meaningful).
+    pub sku_found: bool,
+    pub allocator: String,
+    pub total_stock: i64,
+    /// ROW allocator only.
+    pub available_stock: Option<i64>,
+    pub orders_total: i64,
+    pub orders_live: i64,
+    pub tokens_total: i64,
+    pub tokens_available: i64,
+    pub tokens_claimed: i64,
+    pub tokens_sold: i64,
+    pub tokens_released: i64,
+    /// Tokens held by more than one live order.
+    pub tokens_shared: i64,
+    /// Held tokens no live order holds.
+    pub held_tokens_without_order: i64,
+    /// Live TOKEN orders whose token is not held for their reservation.
+    pub orders_without_held_token: i64,
+    /// Buyers with more than one order.
+    pub duplicate_buyers: i64,
+    pub reservations_total: i64,
+    pub reservations_processing: i64,
+    pub reservations_created: i64,
+    pub reservations_rejected: i64,
+    pub created_reservations_without_order: i64,
+    pub orders_without_created_reservation: i64,
+    /// Reservations with more than one ledger CLAIM.
+    pub duplicate_claims: i64,
+    /// Every broken invariant, in words; empty when all hold.
+    pub violations: Vec<String>,
+}
+
+impl InvariantReport {
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+/// Every count reads the base tables (not shared CTEs: PostgreSQL materializes a CTE that is
+/// referenced twice, and an anti-join against a materialized CTE has no index, which made
+/// this O(orders x tokens)). `LIVE` = not CANCELLED/CLOSED.
+const CHECK_SQL: &str = "\
+SELECT \
+  (SELECT count(*) FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2), \
+  (SELECT allocator FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2), \
+  (SELECT total_stock FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2), \
+  (SELECT available_stock FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2), \
+  (SELECT count(*) FROM orders WHERE activity_id = $1 AND sku_id = $2), \
+  (SELECT count(*) FROM orders WHERE activity_id = $1 AND sku_id = $2 \
+     AND status NOT IN ('CANCELLED', 'CLOSED')), \
+  (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2), \
+  (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2 \
+     AND status = 'AVAILABLE'), \
+  (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2 \
+     AND status = 'CLAIMED'), \
+  (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2 \
+     AND status = 'SOLD'), \
+  (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2 \
+     AND status = 'RELEASED'), \
+  (SELECT count(*) FROM (SELECT inventory_token_id FROM orders \
+     WHERE activity_id = $1 AND sku_id = $2 AND status NOT IN ('CANCELLED', 'CLOSED') \
+       AND inventory_token_id IS NOT NULL \
+     GROUP BY inventory_token_id HAVING count(*) > 1) x), \
+  (SELECT count(*) FROM inventory_token t \
+     WHERE t.activity_id = $1 AND t.sku_id = $2 AND t.status IN ('CLAIMED', 'SOLD') \
+       AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.inventory_token_id = t.token_id \
+                       AND o.status NOT IN ('CANCELLED', 'CLOSED'))), \
+  (SELECT count(*) FROM orders o LEFT JOIN inventory_token t ON t.token_id = o.inventory_token_id \
+     WHERE o.activity_id = $1 AND o.sku_id = $2 AND o.status NOT IN ('CANCELLED', 'CLOSED') \
+       AND (SELECT allocator FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2) = 'TOKEN' \
+       AND (t.token_id IS NULL OR t.status NOT IN ('CLAIMED', 'SOLD') \
+            OR t.reservation_id IS DISTINCT FROM o.reservation_id)), \
+  (SELECT count(*) FROM (SELECT user_id FROM orders WHERE activity_id = $1 AND sku_id = $2 \
+     GROUP BY user_id HAVING count(*) > 1) x), \
+  (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2), \
+  (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2 \
+     AND status = 'PROCESSING'), \
+  (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2 \
+     AND status = 'ORDER_CREATED'), \
+  (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2 \
+     AND status LIKE 'REJECTED_%'), \
+  (SELECT count(*) FROM inventory_reservation r \
+     WHERE r.activity_id = $1 AND r.sku_id = $2 AND r.status = 'ORDER_CREATED' \
+       AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.reservation_id = r.reservation_id)), \
+  (SELECT count(*) FROM orders o WHERE o.activity_id = $1 AND o.sku_id = $2 \
+     AND NOT EXISTS (SELECT 1 FROM inventory_reservation r \
+                     WHERE r.reservation_id = o.reservation_id AND r.status = 'ORDER_CREATED')), \
+  (SELECT count(*) FROM (SELECT reservation_id FROM inventory_ledger \
+     WHERE activity_id = $1 AND sku_id = $2 AND kind = 'CLAIM' \
+     GROUP BY reservation_id HAVING count(*) > 1) x)";
+
+/// Counts and judges the invariants of one SKU (see the module documentation).
+pub async fn check_invariants(
+    client: &Client,
+    activity_id: i64,
+    sku_id: i64,
+) -> Result<InvariantReport, PgError> {
+    let row = client.query_one(CHECK_SQL, &[&activity_id, &sku_id]).await?;
+    let count = |i: usize| -> Result<i64, PgError> { Ok(row.try_get::<_, i64>(i)?) };
+    let mut report = InvariantReport {
+        activity_id,
+        sku_id,
+        sku_found: count(0)? == 1,
+        allocator: row.try_get::<_, Option<String>>(1)?.unwrap_or_default(),
+        total_stock: row.try_get::<_, Option<i64>>(2)?.unwrap_or(0),
+        available_stock: row.try_get(3)?,
+        orders_total: count(4)?,
+        orders_live: count(5)?,
+        tokens_total: count(6)?,
+        tokens_available: count(7)?,
+        tokens_claimed: count(8)?,
+        tokens_sold: count(9)?,
+        tokens_released: count(10)?,
+        tokens_shared: count(11)?,
+        held_tokens_without_order: count(12)?,
+        orders_without_held_token: count(13)?,
+        duplicate_buyers: count(14)?,
+        reservations_total: count(15)?,
+        reservations_processing: count(16)?,
+        reservations_created: count(17)?,
+        reservations_rejected: count(18)?,
+        created_reservations_without_order: count(19)?,
+        orders_without_created_reservation: count(20)?,
+        duplicate_claims: count(21)?,
+        violations: Vec::new(),
+    };
+    report.violations = judge(&report);
+    Ok(report)
+}
+
+/// The rules, over the counts (sans-I/O, unit-tested below).
+pub fn judge(r: &InvariantReport) -> Vec<String> {
+    let mut v = Vec::new();
+    if !r.sku_found {
+        v.push(format!("sku ({}, {}) not found", r.activity_id, r.sku_id));
+        return v;
+    }
+    // I1
+    if r.orders_live > r.total_stock {
+        v.push(format!(
+            "I1 oversell: {} live orders for a stock of {}",
+            r.orders_live, r.total_stock
+        ));
+    }
+    if r.tokens_shared > 0 {
+        v.push(format!("I1 oversell: {} tokens held by several live orders", r.tokens_shared));
+    }
+    if r.orders_without_held_token > 0 {
+        v.push(format!(
+            "I1: {} live orders do not hold a token claimed for their reservation",
+            r.orders_without_held_token
+        ));
+    }
+    // I2
+    if r.duplicate_buyers > 0 {
+        v.push(format!("I2: {} buyers have more than one order", r.duplicate_buyers));
+    }
+    // I3
+    match r.allocator.as_str() {
+        "TOKEN" => {
+            if r.tokens_total != r.total_stock {
+                v.push(format!(
+                    "I3: {} tokens for a total stock of {}",
+                    r.tokens_total, r.total_stock
+                ));
+            }
+            let by_status =
+                r.tokens_available + r.tokens_claimed + r.tokens_sold + r.tokens_released;
+            if by_status != r.tokens_total {
+                v.push(format!("I3: token states sum to {by_status}, not {}", r.tokens_total));
+            }
+            if r.tokens_claimed + r.tokens_sold != r.orders_live {
+                v.push(format!(
+                    "I3: {} held tokens but {} live orders",
+                    r.tokens_claimed + r.tokens_sold,
+                    r.orders_live
+                ));
+            }
+            if r.held_tokens_without_order > 0 {
+                v.push(format!(
+                    "I3: {} held tokens have no live order",
+                    r.held_tokens_without_order
+                ));
+            }
+        }
+        "ROW" => {
+            let available = r.available_stock.unwrap_or(-1);
+            if available < 0 || available + r.orders_live != r.total_stock {
+                v.push(format!(
+                    "I1/I3 (ROW): available_stock {available} + live orders {} != total stock {}",
+                    r.orders_live, r.total_stock
+                ));
+            }
+        }
+        other => v.push(format!("unknown allocator {other:?}")),
+    }
+    // I7
+    if r.reservations_processing > 0 {
+        v.push(format!("I7: {} reservations committed as PROCESSING", r.reservations_processing));
+    }
+    if r.created_reservations_without_order > 0 {
+        v.push(format!(
+            "I7: {} ORDER_CREATED reservations without an order",
+            r.created_reservations_without_order
+        ));
+    }
+    if r.orders_without_created_reservation > 0 {
+        v.push(format!(
+            "I7: {} orders without an ORDER_CREATED reservation",
+            r.orders_without_created_reservation
+        ));
+    }
+    if r.duplicate_claims > 0 {
+        v.push(format!("I7: {} reservations claimed twice in the ledger", r.duplicate_claims));
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn healthy_token() -> InvariantReport {
+        InvariantReport {
+            activity_id: 1,
+            sku_id: 2,
+            sku_found: true,
+            allocator: "TOKEN".into(),
+            total_stock: 10,
+            orders_total: 4,
+            orders_live: 4,
+            tokens_total: 10,
+            tokens_available: 6,
+            tokens_claimed: 4,
+            reservations_total: 6,
+            reservations_created: 4,
+            reservations_rejected: 2,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_healthy_sku_has_no_violations() {
+        assert!(judge(&healthy_token()).is_empty());
+        let row = InvariantReport {
+            allocator: "ROW".into(),
+            available_stock: Some(6),
+            tokens_total: 0,
+            tokens_available: 0,
+            tokens_claimed: 0,
+            ..healthy_token()
+        };
+        assert!(judge(&row).is_empty(), "{:?}", judge(&row));
+    }
+
+    #[test]
+    fn each_breach_is_reported() {
+        let cases: Vec<(&str, InvariantReport)> = vec![
+            (
+                "I1 oversell",
+                InvariantReport {
+                    orders_live: 11,
+                    tokens_claimed: 11,
+                    tokens_available: -1,
+                    ..healthy_token()
+                },
+            ),
+            ("several live orders", InvariantReport { tokens_shared: 1, ..healthy_token() }),
+            ("I2", InvariantReport { duplicate_buyers: 1, ..healthy_token() }),
+            (
+                "I3: 9 tokens",
+                InvariantReport { tokens_total: 9, tokens_available: 5, ..healthy_token() },
+            ),
+            (
+                "held tokens but",
+                InvariantReport { tokens_claimed: 5, tokens_available: 5, ..healthy_token() },
+            ),
+            ("PROCESSING", InvariantReport { reservations_processing: 1, ..healthy_token() }),
+            (
+                "without an order",
+                InvariantReport { created_reservations_without_order: 1, ..healthy_token() },
+            ),
+            ("claimed twice", InvariantReport { duplicate_claims: 1, ..healthy_token() }),
+            (
+                "(ROW)",
+                InvariantReport {
+                    allocator: "ROW".into(),
+                    available_stock: Some(7),
+                    ..healthy_token()
+                },
+            ),
+        ];
+        for (needle, report) in cases {
+            let violations = judge(&report);
+            assert!(violations.iter().any(|v| v.contains(needle)), "{needle}: {violations:?}");
+        }
+    }
+}
