@@ -58,8 +58,9 @@ struct ConnWorkerArgs {
 
 #[derive(Args)]
 struct DemoArgs {
-    /// Where the demo's private servers keep their data.
-    #[arg(long, default_value = "var/demo")]
+    /// Where the demo's private servers keep their data (outside the checkout, so that the
+    /// `postgres` user can reach it when the checkout sits in a private home directory).
+    #[arg(long, default_value = "/var/tmp/flashsale-demo")]
     dir: PathBuf,
     /// Units of the hot SKU (the seed: 10,000).
     #[arg(long, default_value_t = 10_000)]

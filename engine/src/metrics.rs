@@ -12,31 +12,8 @@ use std::sync::Arc;
 
 use crate::outcome::{QueryOutcome, SubmitOutcome};
 
-const SUBMIT_OUTCOMES: [SubmitOutcome; 13] = [
-    SubmitOutcome::Queued,
-    SubmitOutcome::QueuedPending,
-    SubmitOutcome::SoldOut,
-    SubmitOutcome::DuplicateUser,
-    SubmitOutcome::ActivityNotActive,
-    SubmitOutcome::IdempotencyConflict,
-    SubmitOutcome::Invalid,
-    SubmitOutcome::Unauthorized,
-    SubmitOutcome::RateLimited,
-    SubmitOutcome::Overloaded,
-    SubmitOutcome::SubmitClosed,
-    SubmitOutcome::SystemBusy,
-    SubmitOutcome::Unknown,
-];
-
-const QUERY_OUTCOMES: [QueryOutcome; 7] = [
-    QueryOutcome::Queuing,
-    QueryOutcome::Succeeded,
-    QueryOutcome::Failed,
-    QueryOutcome::NotFound,
-    QueryOutcome::Unknown,
-    QueryOutcome::Invalid,
-    QueryOutcome::Unauthorized,
-];
+const SUBMIT_OUTCOMES: [SubmitOutcome; 13] = SubmitOutcome::ALL;
+const QUERY_OUTCOMES: [QueryOutcome; 7] = QueryOutcome::ALL;
 
 fn submit_index(outcome: SubmitOutcome) -> usize {
     SUBMIT_OUTCOMES.iter().position(|o| *o == outcome).unwrap_or(0)

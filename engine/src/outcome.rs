@@ -32,6 +32,23 @@ pub enum SubmitOutcome {
 }
 
 impl SubmitOutcome {
+    /// Every submit outcome, in CONTRACT.md 3.2's order (metrics iterate it).
+    pub const ALL: [SubmitOutcome; 13] = [
+        SubmitOutcome::Queued,
+        SubmitOutcome::QueuedPending,
+        SubmitOutcome::SoldOut,
+        SubmitOutcome::DuplicateUser,
+        SubmitOutcome::ActivityNotActive,
+        SubmitOutcome::IdempotencyConflict,
+        SubmitOutcome::Invalid,
+        SubmitOutcome::Unauthorized,
+        SubmitOutcome::RateLimited,
+        SubmitOutcome::Overloaded,
+        SubmitOutcome::SubmitClosed,
+        SubmitOutcome::SystemBusy,
+        SubmitOutcome::Unknown,
+    ];
+
     /// `(HTTP status, state)` — the one place where they are decided.
     pub const fn http(self) -> (u16, &'static str) {
         match self {
@@ -83,6 +100,17 @@ pub enum QueryOutcome {
 }
 
 impl QueryOutcome {
+    /// Every query outcome (metrics iterate it).
+    pub const ALL: [QueryOutcome; 7] = [
+        QueryOutcome::Queuing,
+        QueryOutcome::Succeeded,
+        QueryOutcome::Failed,
+        QueryOutcome::NotFound,
+        QueryOutcome::Unknown,
+        QueryOutcome::Invalid,
+        QueryOutcome::Unauthorized,
+    ];
+
     pub const fn http(self) -> (u16, &'static str) {
         match self {
             QueryOutcome::Queuing => (200, "QUEUING"),
@@ -100,21 +128,7 @@ impl QueryOutcome {
 mod tests {
     use super::*;
 
-    const ALL: [SubmitOutcome; 13] = [
-        SubmitOutcome::Queued,
-        SubmitOutcome::QueuedPending,
-        SubmitOutcome::SoldOut,
-        SubmitOutcome::DuplicateUser,
-        SubmitOutcome::ActivityNotActive,
-        SubmitOutcome::IdempotencyConflict,
-        SubmitOutcome::Invalid,
-        SubmitOutcome::Unauthorized,
-        SubmitOutcome::RateLimited,
-        SubmitOutcome::Overloaded,
-        SubmitOutcome::SubmitClosed,
-        SubmitOutcome::SystemBusy,
-        SubmitOutcome::Unknown,
-    ];
+    const ALL: [SubmitOutcome; 13] = SubmitOutcome::ALL;
 
     #[test]
     fn contract_table() {

@@ -391,6 +391,16 @@ impl Drop for Engine {
     }
 }
 
+/// A small order worker for an in-process engine (its pool and runtime sized for tests).
+pub fn small_worker(config: &ServeConfig) -> flashsale_pg_worker::worker::WorkerConfig {
+    let mut worker = serve::default_worker_config(&config.durable.pg_url, &config.durable.log.url);
+    worker.pg.pool_size = 4;
+    worker.runtime_threads = 1;
+    worker.order_writers = 2;
+    worker.fetch_wait_ms = 50;
+    worker
+}
+
 /// A synchronous Redis command through redis-cli (test-only inspection of a private Redis).
 pub fn redis_cmd(redis: &PrivateRedis, args: &[&str]) -> String {
     let out = std::process::Command::new("redis-cli")

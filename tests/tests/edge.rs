@@ -571,15 +571,7 @@ fn an_ended_activity_is_answered_on_the_owner_after_the_snapshot_refresh() {
 
 #[test]
 fn end_to_end_through_serve_a_queued_request_becomes_an_order() {
-    let engine = Engine::start_with(|c| {
-        let mut worker =
-            flashsale_engine::serve::default_worker_config(&c.durable.pg_url, &c.durable.log.url);
-        worker.pg.pool_size = 4;
-        worker.runtime_threads = 1;
-        worker.order_writers = 1;
-        worker.fetch_wait_ms = 50;
-        c.worker = Some(worker);
-    });
+    let engine = Engine::start_with(|c| c.worker = Some(flashsale_tests::small_worker(c)));
     engine.create_activity(101, 102, 2);
     let mut c = HttpClient::connect(engine.http());
     let (status, queued) = engine.submit(&mut c, 1, 101, 102, "e2e-1");

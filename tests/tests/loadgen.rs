@@ -216,15 +216,7 @@ fn a_reservation_missing_in_redis_is_reported_lost() {
 #[test]
 fn drained_run_checks_orders_and_invariants_in_postgres() {
     // The order worker inside the engine, as `flashsale serve` runs it.
-    let engine = Engine::start_with(|c| {
-        let mut worker =
-            flashsale_engine::serve::default_worker_config(&c.durable.pg_url, &c.durable.log.url);
-        worker.pg.pool_size = 5;
-        worker.runtime_threads = 1;
-        worker.order_writers = 2;
-        worker.fetch_wait_ms = 50;
-        c.worker = Some(worker);
-    });
+    let engine = Engine::start_with(|c| c.worker = Some(flashsale_tests::small_worker(c)));
     let dir = tempfile::tempdir().unwrap();
     let mut config = scenario(&engine, dir.path());
     config.pg_url = Some(engine.db.url.clone());
