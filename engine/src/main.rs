@@ -286,7 +286,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         edge: serve::default_edge_config(redis),
         durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
         io_memory_bytes: 1 << 20,
-        render_extra: None,
+        render_extra: Some(prometheus_recorder()?),
         worker: (!args.no_worker)
             .then(|| serve::default_worker_config(&config.pg_url, &config.nats_url)),
     };
@@ -422,4 +422,13 @@ fn worker(args: ConnWorkerArgs) -> anyhow::Result<()> {
     tracing::info!("signal received: finishing the batch in hand, then stopping");
     handle.shutdown().map_err(|e| anyhow::anyhow!("worker shutdown: {e}"))?;
     Ok(())
+}
+
+/// Installs the process-wide recorder of the `metrics` crate (the worker, the log client) and
+/// returns its renderer, appended to the edge's own counters on `/metrics`.
+fn prometheus_recorder() -> anyhow::Result<Box<dyn Fn() -> String + Send + Sync>> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("install the Prometheus recorder")?;
+    Ok(Box::new(move || handle.render()))
 }
