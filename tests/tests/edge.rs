@@ -204,7 +204,7 @@ fn nats_down_is_queued_pending_and_the_scanner_republishes() {
         c.edge.scanner.backoff_base_ms = 200;
         c.edge.scanner.backoff_max_ms = 500;
     });
-    engine.create_activity(31, 32, 5);
+    engine.create_activity(31, 32, 20);
     let mut c = HttpClient::connect(engine.http());
     engine.nats.kill();
     let (status, pending) = engine.submit(&mut c, 1, 31, 32, "p-1");
@@ -221,6 +221,24 @@ fn nats_down_is_queued_pending_and_the_scanner_republishes() {
     assert_eq!((status, state(&again)), (202, "QUEUED_PENDING"));
     assert_eq!(again["replayed"], true);
 
+    // More buyers while NATS stays down: each is still reserved (QUEUED_PENDING) until the
+    // log-publish circuit opens; then SUBMIT_CLOSED, with nothing reserved.
+    let mut answers = Vec::new();
+    for user in 100..120u64 {
+        let (status, v) = engine.submit(&mut c, user, 31, 32, &format!("p-{user}"));
+        answers.push((status, state(&v).to_string()));
+        if state(&v) == "SUBMIT_CLOSED" {
+            assert_eq!(status, 503);
+            assert!(v["retry_after_ms"].as_u64().is_some());
+            break;
+        }
+        assert_eq!(state(&v), "QUEUED_PENDING", "{answers:?}");
+    }
+    assert_eq!(answers.last().map(|a| a.1.as_str()), Some("SUBMIT_CLOSED"), "{answers:?}");
+    let reserved = answers.iter().filter(|a| a.1 == "QUEUED_PENDING").count() + 1;
+    let stock: usize = redis_cmd(&engine.redis, &["GET", "seckill:{31:32}:stock"]).parse().unwrap();
+    assert_eq!(stock, 20 - reserved, "SUBMIT_CLOSED reserved nothing");
+
     // NATS back: the scanner republishes with the same message id and marks it sent.
     engine.nats.restart();
     let key = format!("seckill:{{31:32}}:resv:{resv}");
@@ -230,9 +248,15 @@ fn nats_down_is_queued_pending_and_the_scanner_republishes() {
     let attempts: u32 = redis_cmd(&engine.redis, &["HGET", &key, "send_attempts"]).parse().unwrap();
     assert!(attempts >= 1, "claimed by the scanner: {attempts}");
     assert!(metric(&engine.metrics(), "flashsale_republished_total") >= 1);
-    // Exactly one message in the log for it, whatever the number of attempts (dedup by id).
-    let count = stream_messages(&engine, "SECKILL_ORDERS");
-    assert_eq!(count, 1);
+    // Every reservation's message is in the log exactly once, whatever the number of
+    // attempts (dedup by id), and the circuit closed again: new buyers are QUEUED.
+    wait_for_ms("every pending reservation republished", 20_000, || {
+        stream_messages(&engine, "SECKILL_ORDERS") == reserved as u64
+    });
+    wait_for_ms("submissions reopen", 10_000, || {
+        let (_, v) = engine.submit(&mut c, 500, 31, 32, "reopen");
+        state(&v) == "QUEUED"
+    });
 }
 
 fn stream_messages(engine: &Engine, stream: &str) -> u64 {

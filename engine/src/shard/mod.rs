@@ -72,6 +72,7 @@ pub struct EdgeConfig {
     /// Buckets per limiter table (fixed memory; colliding keys share a bucket).
     pub limiter_slots: usize,
     pub scanner: crate::scanner::ScannerConfig,
+    pub publish_circuit: crate::circuit::CircuitConfig,
 }
 
 /// What all shards share read-only (plus a few flags and the metrics).
@@ -122,6 +123,9 @@ pub struct Shard {
     request_seq: Cell<u64>,
     pub user_limiter: RefCell<Limiter>,
     pub ip_limiter: RefCell<Limiter>,
+    /// The log-publish circuit of this shard: open → new submissions get SUBMIT_CLOSED before
+    /// anything is reserved (reservations already made stay safe: the scanner republishes).
+    pub publish_circuit: RefCell<crate::circuit::Circuit>,
 }
 
 impl Shard {
@@ -271,6 +275,7 @@ pub async fn run(start: ShardStart) {
             shared.config.limiter_slots,
         )),
         ip_limiter: RefCell::new(Limiter::new(shared.config.ip_rate, shared.config.limiter_slots)),
+        publish_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.publish_circuit)),
     });
     spawn_mesh_receivers(&shard, receivers);
     if let Some(rx) = sync_rx {

@@ -28,6 +28,7 @@ use futures::channel::oneshot;
 use super::conn::RequestCtx;
 use super::{now_ms, Shard};
 use crate::api::{self, PayloadHash};
+use crate::circuit::{Admit, CallOutcome, CircuitState};
 use crate::durable::{DurableError, DurableRequest};
 use crate::http::{write_response, Request, ResponseHead, StateBody, Status};
 use crate::ids::UserId;
@@ -259,6 +260,11 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
         }
         SubmitPlan::CallRedis(permit) => permit,
     };
+    // The log cannot confirm new reservations: close submissions before reserving anything.
+    if shard.publish_circuit.borrow().state(now) == CircuitState::Open {
+        shard.with_partition(s.key, |p| p.release(permit));
+        return SubmitAnswer::retry(SubmitOutcome::SubmitClosed, shard.config().busy_retry_ms);
+    }
     let (reservation_id, message_id) = shard.next_ids(now);
     let span = tracing::Span::current();
     span.record("reservation_id", reservation_id.as_str());
@@ -427,7 +433,16 @@ pub(crate) async fn publish_and_mark(
 ) -> bool {
     let reservation_id = message.reservation_id.clone();
     let request_id = message.request_id.clone();
-    if !publish(shard, message).await {
+    // An open circuit skips the publish (the reservation stays pending for the scanner);
+    // half-open admits a few probes, whose outcome closes or re-opens it.
+    let call = match shard.publish_circuit.borrow_mut().allow(now_ms()) {
+        Admit::Call(call) => call,
+        Admit::Reject { .. } => return false,
+    };
+    let published = publish(shard, message).await;
+    let outcome = if published { CallOutcome::Success } else { CallOutcome::Failure };
+    shard.publish_circuit.borrow_mut().record(call, outcome, now_ms());
+    if !published {
         return false;
     }
     let mark = MarkSentArgs {
