@@ -73,6 +73,9 @@ pub struct ShardMetrics {
     pub republished: AtomicU64,
     /// Reservations the scanner moved to `stuck` (past the recovery deadline).
     pub stuck_reservations: AtomicU64,
+    /// Circuit states (0 closed, 1 half-open, 2 open), as last recorded.
+    pub redis_circuit: AtomicU64,
+    pub publish_circuit: AtomicU64,
     pub request_latency: Histogram,
     pub lua_latency: Histogram,
 }
@@ -150,6 +153,15 @@ impl EdgeMetrics {
                 "flashsale_publish_total{{outcome=\"{outcome}\"}} {}",
                 self.sum(field)
             );
+        }
+        let _ = writeln!(out, "# TYPE flashsale_circuit_state gauge");
+        for (dependency, field) in
+            [("redis", (|s| &s.redis_circuit) as Field), ("log_publish", |s| &s.publish_circuit)]
+        {
+            // The worst shard: one open circuit is what an operator needs to see.
+            let worst =
+                self.shards.iter().map(|s| field(s).load(Ordering::Relaxed)).max().unwrap_or(0);
+            let _ = writeln!(out, "flashsale_circuit_state{{dependency=\"{dependency}\"}} {worst}");
         }
         self.render_histogram(out, "flashsale_request_latency_seconds", |s| &s.request_latency);
         self.render_histogram(out, "flashsale_lua_latency_seconds", |s| &s.lua_latency);

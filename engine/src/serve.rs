@@ -104,6 +104,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         limiter_slots: 1 << 16,
         scanner: crate::scanner::ScannerConfig::default(),
         publish_circuit: crate::circuit::CircuitConfig::default(),
+        redis_circuit: crate::circuit::CircuitConfig::default(),
     }
 }
 
@@ -176,6 +177,7 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     config.edge.http.validate().map_err(|e| anyhow::anyhow!("http limits: {e}"))?;
     config.edge.redis.validate().map_err(|e| anyhow::anyhow!("redis config: {e}"))?;
     config.edge.publish_circuit.validate().map_err(|e| anyhow::anyhow!("publish circuit: {e}"))?;
+    config.edge.redis_circuit.validate().map_err(|e| anyhow::anyhow!("redis circuit: {e}"))?;
     let table = PartitionTable::new(shard_count, &config.pins)?;
     let (sync_senders, sync_receivers): (Vec<_>, Vec<_>) =
         (0..shard_count).map(|_| tokio::sync::mpsc::channel(config.edge.mesh_capacity)).unzip();

@@ -154,6 +154,16 @@ fn redis_down_is_system_busy_and_query_unknown_then_recovers() {
     }
     let last = answers.last().cloned().unwrap();
     assert_eq!(last, (503, "SYSTEM_BUSY".to_string()), "{answers:?}");
+    // Repeated failures open the Redis circuit: answered without a call until it probes.
+    for i in 0..10 {
+        let (status, v) = engine.submit(&mut c, 50 + i, 21, 22, &format!("open-{i}"));
+        assert_eq!((status, state(&v)), (503, "SYSTEM_BUSY"));
+    }
+    assert_eq!(
+        metric(&engine.metrics(), "flashsale_circuit_state{dependency=\"redis\"}"),
+        2,
+        "the Redis circuit is open"
+    );
     assert!(
         answers.iter().all(|(s, st)| *s == 503 && (st == "UNKNOWN" || st == "SYSTEM_BUSY")),
         "{answers:?}"
@@ -182,8 +192,9 @@ fn redis_down_is_system_busy_and_query_unknown_then_recovers() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(preheated, "admin could not preheat after Redis came back");
+    // The circuit's open time grows while Redis stays down (up to 8 s): allow for it.
     let mut ok = false;
-    for i in 0..50 {
+    for i in 0..150 {
         let (status, v) = engine.submit(&mut c, 100 + i, 21, 22, &format!("after-{i}"));
         if status == 202 {
             ok = true;

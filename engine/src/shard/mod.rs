@@ -73,6 +73,7 @@ pub struct EdgeConfig {
     pub limiter_slots: usize,
     pub scanner: crate::scanner::ScannerConfig,
     pub publish_circuit: crate::circuit::CircuitConfig,
+    pub redis_circuit: crate::circuit::CircuitConfig,
 }
 
 /// What all shards share read-only (plus a few flags and the metrics).
@@ -126,6 +127,8 @@ pub struct Shard {
     /// The log-publish circuit of this shard: open → new submissions get SUBMIT_CLOSED before
     /// anything is reserved (reservations already made stay safe: the scanner republishes).
     pub publish_circuit: RefCell<crate::circuit::Circuit>,
+    /// The Redis circuit of this shard: open → SYSTEM_BUSY without a call (fail closed).
+    pub redis_circuit: RefCell<crate::circuit::Circuit>,
 }
 
 impl Shard {
@@ -276,6 +279,7 @@ pub async fn run(start: ShardStart) {
         )),
         ip_limiter: RefCell::new(Limiter::new(shared.config.ip_rate, shared.config.limiter_slots)),
         publish_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.publish_circuit)),
+        redis_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.redis_circuit)),
     });
     spawn_mesh_receivers(&shard, receivers);
     if let Some(rx) = sync_rx {

@@ -265,6 +265,13 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
         shard.with_partition(s.key, |p| p.release(permit));
         return SubmitAnswer::retry(SubmitOutcome::SubmitClosed, shard.config().busy_retry_ms);
     }
+    let redis_call = match shard.redis_circuit.borrow_mut().allow(now) {
+        Admit::Call(call) => call,
+        Admit::Reject { retry_after_ms } => {
+            shard.with_partition(s.key, |p| p.release(permit));
+            return SubmitAnswer::retry(SubmitOutcome::SystemBusy, retry_after_ms);
+        }
+    };
     let (reservation_id, message_id) = shard.next_ids(now);
     let span = tracing::Span::current();
     span.record("reservation_id", reservation_id.as_str());
@@ -282,6 +289,19 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
     let started = Instant::now();
     let result = shard.functions.reserve(&keys, &args).await;
     shard.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
+    let health = match &result {
+        Ok(_) => CallOutcome::Success,
+        Err(e) if e.outcome_unknown() => CallOutcome::Unknown,
+        Err(_) => CallOutcome::Failure,
+    };
+    {
+        let mut circuit = shard.redis_circuit.borrow_mut();
+        circuit.record(redis_call, health, now_ms());
+        shard
+            .metrics()
+            .redis_circuit
+            .store(u64::from(circuit.state(now_ms()).metric_value()), Ordering::Relaxed);
+    }
     let (seen, answer) =
         classify_reserve(shard, &result, &reservation_id, &message_id, &s.payload_hash);
     // The untracked bucket shares admission only: never let one SKU's stock flip it.
@@ -441,7 +461,12 @@ pub(crate) async fn publish_and_mark(
     };
     let published = publish(shard, message).await;
     let outcome = if published { CallOutcome::Success } else { CallOutcome::Failure };
-    shard.publish_circuit.borrow_mut().record(call, outcome, now_ms());
+    {
+        let mut circuit = shard.publish_circuit.borrow_mut();
+        circuit.record(call, outcome, now_ms());
+        let state = u64::from(circuit.state(now_ms()).metric_value());
+        shard.metrics().publish_circuit.store(state, Ordering::Relaxed);
+    }
     if !published {
         return false;
     }
