@@ -639,3 +639,25 @@ fn end_to_end_through_serve_a_queued_request_becomes_an_order() {
     );
     assert_eq!(sku.json()["live"]["orders_created"], 1, "{}", sku.body);
 }
+
+#[test]
+fn slow_heads_get_408_and_idle_connections_are_closed() {
+    let engine = Engine::start_with(|c| {
+        c.edge.header_read_timeout_ms = 300;
+        c.edge.idle_timeout_ms = 600;
+    });
+    // A head that never completes (slowloris): 408 and close after the header deadline.
+    let mut slow = HttpClient::connect(engine.http());
+    let started = std::time::Instant::now();
+    slow.send_raw(b"POST /v1/reservations HTTP/1.1\r\nHost: t\r\nX-Slow: ");
+    let resp = slow.read_response().expect("a 408 before the close");
+    assert_eq!(resp.status, 408);
+    assert!(slow.is_closed());
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    // An idle keep-alive connection is closed after the idle timeout, without a response.
+    let mut idle = HttpClient::connect(engine.http());
+    assert_eq!(idle.request("GET", "/nope", None, None).status, 404);
+    let started = std::time::Instant::now();
+    assert!(idle.is_closed(), "idle connection must be closed");
+    assert!(started.elapsed() >= Duration::from_millis(400), "{:?}", started.elapsed());
+}
