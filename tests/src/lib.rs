@@ -394,7 +394,7 @@ impl Drop for Engine {
 /// A small order worker for an in-process engine (its pool and runtime sized for tests).
 pub fn small_worker(config: &ServeConfig) -> flashsale_pg_worker::worker::WorkerConfig {
     let mut worker = serve::default_worker_config(&config.durable.pg_url, &config.durable.log.url);
-    worker.pg.pool_size = 4;
+    worker.pg.pool_size = 8;
     worker.runtime_threads = 1;
     worker.order_writers = 2;
     worker.fetch_wait_ms = 50;

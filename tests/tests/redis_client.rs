@@ -168,7 +168,8 @@ fn in_flight_bound_refuses_at_once() {
         for reply in &replies[..8] {
             assert_eq!(reply.as_ref().unwrap(), &Reply::Simple(bytes::Bytes::from_static(b"PONG")));
         }
-        assert!(started.elapsed() < Duration::from_millis(200));
+        // Generous bound: a loaded 2-core CI machine must not turn this into a flake.
+        assert!(started.elapsed() < Duration::from_millis(1_500));
         // The bound frees up as replies arrive.
         assert_eq!(client.in_flight(), 0);
         assert!(cmd(&client, &["PING"]).await.is_ok());
@@ -202,7 +203,7 @@ fn deadline_after_write_is_outcome_unknown_and_the_command_did_run() {
         assert!(error.outcome_unknown() && error.is_transient());
         assert!(error.to_string().contains("outcome unknown"));
         assert!(
-            waited >= Duration::from_millis(100) && waited < Duration::from_millis(400),
+            waited >= Duration::from_millis(100) && waited < Duration::from_millis(1_500),
             "{waited:?}"
         );
 
@@ -233,7 +234,8 @@ fn disconnected_requests_fail_not_sent_and_the_same_client_reconnects() {
             matches!(refused, Err(RedisError::NotSent(NotSentReason::Disconnected))),
             "{refused:?}"
         );
-        assert!(started.elapsed() < Duration::from_millis(50), "must fail fast, not queue");
+        // Below the 250 ms command deadline: refused at once, not queued until it expires.
+        assert!(started.elapsed() < Duration::from_millis(200), "must fail fast, not queue");
         let error = refused.unwrap_err();
         assert!(!error.outcome_unknown() && error.is_transient());
 
@@ -259,7 +261,7 @@ fn disconnected_requests_fail_not_sent_and_the_same_client_reconnects() {
             "{:?}",
             result.map(|_| ())
         );
-        assert!(started.elapsed() < Duration::from_millis(600));
+        assert!(started.elapsed() < Duration::from_millis(2_000));
     });
 }
 
