@@ -337,6 +337,11 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
     use flashsale_engine::serve::{self, Pinning, ServeConfig};
 
     let loadgen = sibling_binary("flashsale-loadgen")?;
+    // Every run starts from empty stores: a previous run's orders and tokens would otherwise
+    // be counted (and its sold-out tokens would reject every new reservation).
+    if args.dir.exists() {
+        stack::down(&args.dir, true)?;
+    }
     eprintln!("demo: starting private Redis, PostgreSQL and NATS under {}", args.dir.display());
     let env = stack::up(&args.dir)?;
     let overrides = Overrides {
