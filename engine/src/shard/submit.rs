@@ -105,8 +105,7 @@ pub async fn handle_submit(
     let (code, state) = answer.outcome.http();
     head.status = Status::from_code(code).unwrap_or(Status::InternalServerError);
     head.retry_after_ms = answer.retry_after_ms;
-    let mut json = BytesMut::with_capacity(256);
-    StateBody {
+    let body = StateBody {
         request_id,
         state,
         reservation_id: answer.reservation_id.as_deref(),
@@ -114,9 +113,25 @@ pub async fn handle_submit(
         reason_code: answer.reason_code.as_deref(),
         retry_after_ms: answer.retry_after_ms,
         replayed: answer.replayed,
-    }
-    .write_json(&mut json);
-    write_response(out, head, &json);
+    };
+    write_state(out, head, &body);
+}
+
+thread_local! {
+    /// This shard's JSON scratch (one thread per shard): an answer's body is built here and
+    /// then written after its head, so no answer allocates once the buffer has grown.
+    static JSON_SCRATCH: std::cell::RefCell<BytesMut> =
+        std::cell::RefCell::new(BytesMut::with_capacity(512));
+}
+
+/// Writes a state answer (head + flat JSON body) into the connection's buffer.
+fn write_state(out: &mut BytesMut, head: &ResponseHead<'_>, body: &StateBody<'_>) {
+    JSON_SCRATCH.with(|cell| {
+        let mut json = cell.borrow_mut();
+        json.clear();
+        body.write_json(&mut json);
+        write_response(out, head, &json);
+    });
 }
 
 /// The submit flow up to the answer; also returns the body's request id (borrowed) for the
@@ -520,8 +535,7 @@ pub async fn handle_query(
     shard.metrics().count_query(outcome);
     let (code, state) = outcome.http();
     head.status = Status::from_code(code).unwrap_or(Status::InternalServerError);
-    let mut json = BytesMut::with_capacity(256);
-    StateBody {
+    let body = StateBody {
         request_id: answer.request_id.as_deref(),
         state,
         reservation_id: answer.reservation_id.as_deref(),
@@ -529,9 +543,8 @@ pub async fn handle_query(
         reason_code: answer.reason_code.as_deref(),
         retry_after_ms: None,
         replayed: false,
-    }
-    .write_json(&mut json);
-    write_response(out, head, &json);
+    };
+    write_state(out, head, &body);
 }
 
 #[derive(Default)]
