@@ -145,9 +145,27 @@ impl ServeHandle {
     fn stop(&mut self) {
         self.shared.draining.store(true, Ordering::Relaxed);
         self.shared.stopping.store(true, Ordering::Relaxed);
+        // Wake every blocked accept with a connection of our own (the kernel spreads them
+        // over the shards' SO_REUSEPORT listeners) until every shard has returned.
+        let joined = Arc::new(AtomicBool::new(false));
+        let waker = {
+            let joined = Arc::clone(&joined);
+            let addrs = [loopback(self.http_addr), loopback(self.admin_addr)];
+            std::thread::spawn(move || {
+                while !joined.load(Ordering::Relaxed) {
+                    for addr in addrs {
+                        let _ =
+                            std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(50));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+        };
         for executor in self.executors.drain(..) {
             let _ = executor.join();
         }
+        joined.store(true, Ordering::Relaxed);
+        let _ = waker.join();
         // Stop pulling, finish the batch in hand (commit, then ack), then close.
         if let Some(worker) = self.worker.take() {
             if let Err(e) = worker.shutdown() {
@@ -157,6 +175,20 @@ impl ServeHandle {
         if let Some(durable) = self.durable.take() {
             durable.shutdown();
         }
+    }
+}
+
+/// A bound wildcard address (0.0.0.0 / ::) is reached through loopback.
+fn loopback(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        let ip = if addr.is_ipv4() {
+            std::net::IpAddr::from([127, 0, 0, 1])
+        } else {
+            std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+        };
+        SocketAddr::new(ip, addr.port())
+    } else {
+        addr
     }
 }
 

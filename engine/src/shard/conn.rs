@@ -33,23 +33,23 @@ const READ_CHUNK_BYTES: usize = 16 * 1024;
 pub async fn accept_loop(shard: Rc<Shard>, listener: TcpListener, plane: Plane) {
     let open = Rc::new(std::cell::Cell::new(0usize));
     loop {
-        if shard.shared.stopping.load(Ordering::Relaxed) {
-            return;
-        }
-        // Poll the stop flag between accepts: accept() itself cannot be interrupted.
-        let accepted = glommio::timer::timeout(Duration::from_millis(100), async {
-            Ok(listener.accept().await)
-        })
-        .await;
-        let stream = match accepted {
-            Ok(Ok(stream)) => stream,
-            Ok(Err(e)) => {
+        // Never cancel an accept (a timed-out accept can complete in the kernel and lose the
+        // connection): the stop flag is checked after each accept, and `ServeHandle::stop`
+        // wakes every listener with a connection of its own.
+        let stream = match listener.accept().await {
+            Ok(stream) => stream,
+            Err(e) => {
+                if shard.shared.stopping.load(Ordering::Relaxed) {
+                    return;
+                }
                 tracing::warn!(shard = shard.id, error = %e, "accept failed");
                 glommio::timer::sleep(Duration::from_millis(10)).await;
                 continue;
             }
-            Err(_) => continue, // timeout: check the stop flag
         };
+        if shard.shared.stopping.load(Ordering::Relaxed) {
+            return;
+        }
         if shard.is_draining() && plane == Plane::Public {
             // Draining: stop taking traffic; the load balancer's health check sees /readyz.
             drop(stream);
