@@ -39,7 +39,8 @@ use std::ops::Deref;
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
 
-use crate::ids::{write_decimal_u64, ActivityId, RequestId, SkuId, UserId, DECIMAL_U64_DIGITS_MAX};
+use crate::ids::{ActivityId, RequestId, SkuId, UserId};
+use flashsale_io::resp::U64Text;
 
 /// Largest submit body (CONTRACT.md 3.2); the HTTP layer answers 413 first, this is the
 /// cheap second line for callers that did not.
@@ -419,12 +420,11 @@ pub fn payload_hash(
     quantity: u32,
 ) -> PayloadHash {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = [0u8; DECIMAL_U64_DIGITS_MAX];
     let mut hasher = Sha256::new();
     hasher.update(b"v1");
     for value in [activity_id.get(), sku_id.get(), user_id.get(), u64::from(quantity)] {
         hasher.update(b"|");
-        hasher.update(write_decimal_u64(value, &mut digits));
+        hasher.update(U64Text::new(value).as_bytes());
     }
     let digest = hasher.finalize();
     let mut bytes = [0u8; PAYLOAD_HASH_LEN];

@@ -41,7 +41,8 @@ use base64::Engine as _;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::ids::{parse_decimal_u64, write_decimal_u64, ActivityId, UserId};
+use crate::ids::{parse_decimal_u64, ActivityId, UserId};
+use flashsale_io::resp::U64Text;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -217,13 +218,12 @@ impl PassKeys {
     ) -> Option<String> {
         let key = self.keys.iter().find(|key| key.kid == kid)?;
         let mut pass = String::with_capacity(MESSAGE_LEN_MAX + 1 + SIG_B64_LEN);
-        let mut digits = [0u8; 20];
         pass.push_str("v1.");
         pass.push_str(kid);
         for value in [user_id.get(), activity_id.get(), exp_unix_s] {
             pass.push('.');
             // Decimal digits are ASCII.
-            pass.extend(write_decimal_u64(value, &mut digits).iter().map(|&b| char::from(b)));
+            pass.extend(U64Text::new(value).as_bytes().iter().map(|&b| char::from(b)));
         }
         let mut mac = key.prepared.clone();
         mac.update(pass.as_bytes());

@@ -55,22 +55,6 @@ pub fn parse_decimal_u64(text: &[u8]) -> Option<u64> {
     Some(value)
 }
 
-/// Writes `value` in decimal into `buf` and returns the digits (no allocation).
-pub fn write_decimal_u64(value: u64, buf: &mut [u8; DECIMAL_U64_DIGITS_MAX]) -> &[u8] {
-    let mut start = DECIMAL_U64_DIGITS_MAX;
-    let mut rest = value;
-    loop {
-        start -= 1;
-        // `rest % 10` < 10, so the cast cannot truncate.
-        buf[start] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    &buf[start..]
-}
-
 /// Largest id value: ids are stored in PostgreSQL `bigint` columns.
 pub const ID_VALUE_MAX: u64 = i64::MAX as u64;
 
@@ -340,9 +324,8 @@ mod tests {
 
     #[test]
     fn decimal_writer_round_trips() {
-        let mut buf = [0u8; DECIMAL_U64_DIGITS_MAX];
         for value in [0, 1, 9, 10, 10001, u64::from(u32::MAX), u64::MAX] {
-            let text = write_decimal_u64(value, &mut buf).to_vec();
+            let text = flashsale_io::resp::U64Text::new(value).as_bytes().to_vec();
             assert_eq!(text, value.to_string().into_bytes());
             assert_eq!(parse_decimal_u64(&text), Some(value));
         }

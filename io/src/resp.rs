@@ -342,9 +342,33 @@ fn convert(frame: BytesFrame) -> Reply {
 /// Longest decimal form of a `u64`/`i64` (20 digits, or 19 and a sign).
 const DIGITS_MAX: usize = 20;
 
-/// Formats `n` right-aligned into `scratch`, returns the digits. No allocation.
-fn fmt_usize(n: usize, scratch: &mut [u8; DIGITS_MAX]) -> &[u8] {
-    fmt_u64(n as u64, scratch)
+/// A `u64` in decimal on the stack: the one integer formatter of the workspace (RESP
+/// headers, Redis function arguments, HTTP heads, pass and hash texts). No allocation.
+#[derive(Debug, Clone, Copy)]
+pub struct U64Text {
+    start: usize,
+    bytes: [u8; DIGITS_MAX],
+}
+
+impl U64Text {
+    pub fn new(mut n: u64) -> U64Text {
+        let mut bytes = [0u8; DIGITS_MAX];
+        let mut start = DIGITS_MAX;
+        loop {
+            start -= 1;
+            // n % 10 < 10, so the cast cannot truncate.
+            bytes[start] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        U64Text { start, bytes }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[self.start..]
+    }
 }
 
 fn digits(n: usize) -> usize {
@@ -363,9 +387,8 @@ fn bulk_len(arg_len: usize) -> usize {
 }
 
 fn put_header(buf: &mut BytesMut, kind: u8, n: usize) {
-    let mut scratch = [0u8; DIGITS_MAX];
     buf.extend_from_slice(&[kind]);
-    buf.extend_from_slice(fmt_usize(n, &mut scratch));
+    buf.extend_from_slice(U64Text::new(n as u64).as_bytes());
     buf.extend_from_slice(b"\r\n");
 }
 
@@ -389,8 +412,8 @@ pub fn encode_command(buf: &mut BytesMut, args: &[&[u8]]) {
 /// Appends `FCALL function numkeys key… arg…` by hand (no frame objects, no `format!`).
 pub fn encode_fcall(buf: &mut BytesMut, function: &[u8], keys: &[&[u8]], args: &[&[u8]]) {
     let count = 3 + keys.len() + args.len();
-    let mut scratch = [0u8; DIGITS_MAX];
-    let numkeys = fmt_usize(keys.len(), &mut scratch);
+    let numkeys_text = U64Text::new(keys.len() as u64);
+    let numkeys = numkeys_text.as_bytes();
     let total = 1
         + digits(count)
         + 2
@@ -415,12 +438,11 @@ pub fn encode_reply(buf: &mut BytesMut, reply: &Reply) {
         Reply::Simple(b) => put_line(buf, b'+', b),
         Reply::Error(b) => put_line(buf, b'-', b),
         Reply::Integer(i) => {
-            let mut scratch = [0u8; DIGITS_MAX];
             buf.extend_from_slice(b":");
             if *i < 0 {
                 buf.extend_from_slice(b"-");
             }
-            buf.extend_from_slice(fmt_u64(i.unsigned_abs(), &mut scratch));
+            buf.extend_from_slice(U64Text::new(i.unsigned_abs()).as_bytes());
             buf.extend_from_slice(b"\r\n");
         }
         Reply::Bulk(b) => put_bulk(buf, b),
@@ -438,20 +460,6 @@ fn put_line(buf: &mut BytesMut, kind: u8, line: &[u8]) {
     buf.extend_from_slice(&[kind]);
     buf.extend_from_slice(line);
     buf.extend_from_slice(b"\r\n");
-}
-
-fn fmt_u64(n: u64, scratch: &mut [u8; DIGITS_MAX]) -> &[u8] {
-    let mut n = n;
-    let mut at = DIGITS_MAX;
-    loop {
-        at -= 1;
-        scratch[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    &scratch[at..]
 }
 
 /// Splits `n` complete replies off the front of `buf` and drops them; for callers that only

@@ -287,18 +287,8 @@ fn is_safe_header_value(value: &str) -> bool {
 }
 
 /// Decimal digits of `value`, formatted on the stack.
-pub(super) fn write_u64(out: &mut BytesMut, mut value: u64) {
-    let mut digits = [0u8; 20];
-    let mut start = digits.len();
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (value % 10) as u8;
-        value /= 10;
-        if value == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[start..]);
+pub(super) fn write_u64(out: &mut BytesMut, value: u64) {
+    out.extend_from_slice(flashsale_io::resp::U64Text::new(value).as_bytes());
 }
 
 /// The flat body of a reservation or query answer (CONTRACT.md sections 3.2 and 3.3):

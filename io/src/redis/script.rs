@@ -21,6 +21,7 @@ use std::fmt;
 use bytes::BytesMut;
 
 use crate::redis::{RedisClient, RedisError};
+use crate::resp::U64Text;
 use crate::resp::{encode_fcall, Reply};
 
 /// The library source, loaded with `FUNCTION LOAD REPLACE`.
@@ -222,33 +223,6 @@ impl KeyBuf {
 impl fmt::Debug for KeyBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "KeyBuf({:?})", self.as_str())
-    }
-}
-
-/// A u64 in decimal on the stack (no `format!` per argument).
-struct U64Text {
-    start: usize,
-    bytes: [u8; 20],
-}
-
-impl U64Text {
-    fn new(mut n: u64) -> U64Text {
-        let mut bytes = [0u8; 20];
-        let mut start = bytes.len();
-        loop {
-            start -= 1;
-            // n % 10 < 10, so the cast cannot truncate.
-            bytes[start] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        U64Text { start, bytes }
-    }
-
-    fn as_bytes(&self) -> &[u8] {
-        &self.bytes[self.start..]
     }
 }
 
