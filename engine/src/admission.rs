@@ -213,6 +213,24 @@ const _: () = assert!(
         <= SloBasis::MEASURED.order_slo_ms
 );
 
+/// Every `reason` a rejection can carry (the closed label set of
+/// `flashsale_admission_rejections_total`).
+pub const REJECT_REASONS: [&str; 13] = [
+    "MODE_QUERY_ONLY",
+    "MODE_SUBMIT_CLOSED",
+    "MODE_EXPIRED",
+    "MODE_UNVERIFIABLE",
+    "MODE_SHED_LOAD",
+    "MODE_RECOVERING",
+    "LOG_UNAVAILABLE",
+    "BACKLOG_UNKNOWN",
+    "BACKLOG_AGE",
+    "BACKLOG_COUNT",
+    "PG_OUTAGE",
+    "REDIS_UNAVAILABLE",
+    "IN_FLIGHT",
+];
+
 /// The answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
@@ -640,6 +658,7 @@ mod tests {
             prop_assert_eq!(d.is_admit(), model_admits(&x, &b), "{:?} -> {:?}", x, d);
             if let Decision::Reject { outcome, retry_after_ms, reason } = d {
                 prop_assert!(retry_after_ms >= 1);
+                prop_assert!(REJECT_REASONS.contains(&reason), "{} not in REJECT_REASONS", reason);
                 prop_assert!(matches!(outcome,
                     SubmitOutcome::SubmitClosed | SubmitOutcome::SystemBusy | SubmitOutcome::Overloaded));
                 prop_assert_eq!(outcome == SubmitOutcome::SystemBusy, reason == "REDIS_UNAVAILABLE");

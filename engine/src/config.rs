@@ -42,6 +42,12 @@ pub struct Config {
     pub pass_keys: Option<String>,
     pub admin_token: Option<String>,
     pub control_key: Option<String>,
+    /// `FLASHSALE_PAYMENT_KEY` (hex) as given; parsed by `shard::orders::PaymentKey::from_hex`
+    /// in `main`. None: payment callbacks are refused.
+    pub payment_key: Option<String>,
+    /// Where accepted mode snapshots persist (`FLASHSALE_MODE_STATE_FILE`, default
+    /// `var/modes.json`).
+    pub mode_state_file: PathBuf,
     /// Hot SKUs pinned to shards (`[engine] pins = ["10001:20001=1"]`).
     pub pins: Vec<(crate::router::SkuKey, usize)>,
 }
@@ -79,6 +85,7 @@ struct EngineSection {
 struct AuthSection {
     pass_keys: Option<String>,
     control_key: Option<String>,
+    payment_key: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -165,8 +172,8 @@ impl Config {
             admin_file_addr,
             "127.0.0.1:9090".into(),
         );
-        let (file_keys, file_control) =
-            file.auth.map_or((None, None), |s| (s.pass_keys, s.control_key));
+        let (file_keys, file_control, file_payment) =
+            file.auth.map_or((None, None, None), |s| (s.pass_keys, s.control_key, s.payment_key));
         let optional = |var: &str, file: Option<String>| {
             env.get(var).cloned().or(file).filter(|v| !v.trim().is_empty())
         };
@@ -200,6 +207,9 @@ impl Config {
             pass_keys: optional("FLASHSALE_PASS_KEYS", file_keys),
             admin_token: optional("FLASHSALE_ADMIN_TOKEN", admin_file_token),
             control_key: optional("FLASHSALE_CONTROL_KEY", file_control),
+            payment_key: optional("FLASHSALE_PAYMENT_KEY", file_payment),
+            mode_state_file: optional("FLASHSALE_MODE_STATE_FILE", None)
+                .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from),
             pins,
         };
         Ok(config)

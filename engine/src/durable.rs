@@ -15,6 +15,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use flashsale_io::log::async_nats::jetstream;
 use flashsale_io::log::{Log, LogConfig, LogError, PublishAck, Publisher};
 use flashsale_io::wire::OrderCreate;
 use flashsale_pg_worker::edge::{self, ActivitySpec, CreateActivity, ReservationRecord, SkuConfig};
@@ -46,6 +47,12 @@ pub enum DurableRequest {
         message: Box<OrderCreate>,
         reply: oneshot::Sender<Result<PublishAck, LogError>>,
     },
+    /// A republish under its own `Nats-Msg-Id` (`scanner::republish_acked`).
+    PublishAs {
+        message: Box<OrderCreate>,
+        msg_id: String,
+        reply: oneshot::Sender<Result<PublishAck, LogError>>,
+    },
     FindReservation {
         activity_id: i64,
         sku_id: i64,
@@ -66,7 +73,22 @@ pub enum DurableRequest {
         sku_id: i64,
         reply: oneshot::Sender<Result<Option<SkuConfig>, DurableError>>,
     },
+    /// Puts a signed mode snapshot into the replicated mode bucket (`control.rs`).
+    PutMode {
+        key: String,
+        value: String,
+        reply: oneshot::Sender<Result<u64, DurableError>>,
+    },
+    /// Any PostgreSQL work of the edge (see [`DurableHandle::pg`]): a pooled connection,
+    /// bounded by `pg_timeout_ms` like every other call.
+    Pg(PgJob),
 }
+
+/// A boxed PostgreSQL job run on the durable side; it replies through its own channel.
+pub type PgJob = Box<
+    dyn FnOnce(Pool, Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DurableError {
@@ -78,6 +100,8 @@ pub enum DurableError {
     Timeout,
     #[error("log: {0}")]
     Log(#[from] LogError),
+    #[error("mode store: {0}")]
+    ModeStore(String),
     #[error("durable side unavailable (queue full or stopped)")]
     Unavailable,
 }
@@ -103,6 +127,33 @@ impl DurableHandle {
         self.try_send(make(tx))?;
         rx.await.map_err(|_| DurableError::Unavailable)?
     }
+
+    /// Runs `f` with a pooled PostgreSQL connection on the durable side and awaits its result
+    /// (bounded by `pg_timeout_ms`). New PostgreSQL calls of the edge use this instead of a
+    /// request variant of their own.
+    pub async fn pg<T, F, Fut>(&self, f: F) -> Result<T, DurableError>
+    where
+        T: Send + 'static,
+        F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T, PgError>> + Send + 'static,
+    {
+        self.call(|reply| {
+            DurableRequest::Pg(Box::new(move |pool, timeout| {
+                Box::pin(async move {
+                    let _ = reply.send(with_pg(&pool, timeout, f).await);
+                })
+            }))
+        })
+        .await
+    }
+}
+
+/// The control-plane state the durable side keeps current for the shards.
+#[derive(Clone)]
+pub struct Control {
+    pub modes: Arc<crate::control::ModeState>,
+    pub health: Arc<crate::control::Health>,
+    pub health_poll_ms: u64,
 }
 
 /// The running durable side: its thread and the handle to stop it.
@@ -115,9 +166,12 @@ impl Durable {
     /// Connects to NATS (ensuring streams and consumers) and PostgreSQL, then serves requests
     /// on its own runtime. Fails when a dependency cannot be reached at start.
     /// `sync` = where `redis-sync` hands events (None: no `redis-sync` in this process).
+    /// `control` = the mode table and the health cells this side keeps current (the mode
+    /// bucket watcher and the backlog / PostgreSQL poller run here).
     pub fn start(
         config: DurableConfig,
         sync: Option<crate::sync::SyncTargets>,
+        control: Control,
     ) -> anyhow::Result<(Durable, DurableHandle)> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.threads.max(1))
@@ -130,8 +184,20 @@ impl Durable {
         let thread = std::thread::Builder::new().name("durable-main".into()).spawn(move || {
             runtime.block_on(async move {
                 match connect(&config).await {
-                    Ok((log, publisher, pool)) => {
+                    Ok((log, publisher, pool, modes_store)) => {
                         let _ = ready_tx.send(Ok(()));
+                        let watcher = tokio::spawn(crate::control::watch(
+                            modes_store.clone(),
+                            Arc::clone(&control.modes),
+                            stop_rx.clone(),
+                        ));
+                        let poller = tokio::spawn(crate::control::poll_health(
+                            log.clone(),
+                            config.pg_url.clone(),
+                            Arc::clone(&control.health),
+                            Duration::from_millis(control.health_poll_ms.max(1)),
+                            stop_rx.clone(),
+                        ));
                         let sync_task = sync.map(|targets| {
                             tokio::spawn(crate::sync::run(
                                 log,
@@ -140,10 +206,12 @@ impl Durable {
                                 stop_rx.clone(),
                             ))
                         });
-                        serve(config, publisher, pool, rx, stop_rx).await;
+                        serve(config, publisher, pool, modes_store, rx, stop_rx).await;
                         if let Some(task) = sync_task {
                             let _ = task.await;
                         }
+                        let _ = watcher.await;
+                        let _ = poller.await;
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -184,10 +252,13 @@ impl Drop for Durable {
     }
 }
 
-async fn connect(config: &DurableConfig) -> anyhow::Result<(Log, Publisher, Pool)> {
+async fn connect(
+    config: &DurableConfig,
+) -> anyhow::Result<(Log, Publisher, Pool, jetstream::kv::Store)> {
     let log = Log::connect(&config.log).await?;
     log.ensure_streams().await?;
     log.ensure_consumers().await?;
+    let modes_store = log.mode_store().await?;
     let pg_config: tokio_postgres::Config = config.pg_url.parse()?;
     let manager = Manager::from_config(
         pg_config,
@@ -204,13 +275,14 @@ async fn connect(config: &DurableConfig) -> anyhow::Result<(Log, Publisher, Pool
     let client = pool.get().await.map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
     client.simple_query("SELECT 1").await?;
     let publisher = log.publisher();
-    Ok((log, publisher, pool))
+    Ok((log, publisher, pool, modes_store))
 }
 
 async fn serve(
     config: DurableConfig,
     publisher: Publisher,
     pool: Pool,
+    modes_store: jetstream::kv::Store,
     mut rx: mpsc::Receiver<DurableRequest>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -226,8 +298,9 @@ async fn serve(
         let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { break };
         let publisher = publisher.clone();
         let pool = pool.clone();
+        let modes_store = modes_store.clone();
         tokio::spawn(async move {
-            handle(request, &publisher, &pool, pg_timeout).await;
+            handle(request, &publisher, &pool, &modes_store, pg_timeout).await;
             drop(permit);
         });
     }
@@ -235,10 +308,27 @@ async fn serve(
     let _ = permits.acquire_many(config.in_flight_max as u32).await;
 }
 
-async fn handle(request: DurableRequest, publisher: &Publisher, pool: &Pool, timeout: Duration) {
+async fn handle(
+    request: DurableRequest,
+    publisher: &Publisher,
+    pool: &Pool,
+    modes_store: &jetstream::kv::Store,
+    timeout: Duration,
+) {
     match request {
+        DurableRequest::PutMode { key, value, reply } => {
+            let put = tokio::time::timeout(timeout, modes_store.put(key, value.into())).await;
+            let _ = reply.send(match put {
+                Ok(Ok(revision)) => Ok(revision),
+                Ok(Err(e)) => Err(DurableError::ModeStore(e.to_string())),
+                Err(_) => Err(DurableError::Timeout),
+            });
+        }
         DurableRequest::Publish { message, reply } => {
             let _ = reply.send(publisher.publish_order(&message).await);
+        }
+        DurableRequest::PublishAs { message, msg_id, reply } => {
+            let _ = reply.send(publisher.publish_order_as(&message, &msg_id).await);
         }
         DurableRequest::FindReservation { activity_id, sku_id, user_id, request_id, reply } => {
             let result = with_pg(pool, timeout, |client| async move {
@@ -268,6 +358,7 @@ async fn handle(request: DurableRequest, publisher: &Publisher, pool: &Pool, tim
             .await;
             let _ = reply.send(result);
         }
+        DurableRequest::Pg(job) => job(pool.clone(), timeout).await,
     }
 }
 

@@ -6,11 +6,13 @@
 //!
 //! Read `ARCHITECTURE.md` at the repository root for the map of the whole workspace.
 
+pub mod admin_cli;
 pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod circuit;
 pub mod config;
+pub mod control;
 pub mod durable;
 pub mod http;
 pub mod ids;
@@ -19,9 +21,11 @@ pub mod metrics;
 pub mod modes;
 pub mod outcome;
 pub mod partition;
+pub mod reconcile;
 pub mod router;
 pub mod scanner;
 pub mod serve;
 pub mod shard;
 pub mod stack;
+pub mod startup;
 pub mod sync;

@@ -45,6 +45,8 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Control-plane calls against a running engine's admin listener (reconcile, activities).
+    Admin(flashsale_engine::admin_cli::AdminArgs),
 }
 
 #[derive(Args)]
@@ -203,6 +205,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .context("run flashsale-loadgen")?;
             std::process::exit(status.code().unwrap_or(1));
         }
+        Command::Admin(args) => {
+            let out = &mut std::io::stdout().lock();
+            match flashsale_engine::admin_cli::run(args, &config::process_env(), out)? {
+                0 => Ok(()),
+                status => std::process::exit(i32::from(status)),
+            }
+        }
         Command::Migrate(args) => {
             let overrides = Overrides { pg_url: args.pg_url, ..Default::default() };
             let config = Config::load(
@@ -275,6 +284,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     migrate(&config)?;
     let redis = serve::redis_addr(&config.redis_url)?;
+    let mut edge = serve::default_edge_config(redis);
+    edge.control = control_config(&config)?;
+    if let Some(hex_key) = &config.payment_key {
+        let key = flashsale_engine::shard::orders::PaymentKey::from_hex(hex_key)
+            .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
+        edge.payment_key = Some(key);
+    }
     let serve_config = ServeConfig {
         shards: config.shards,
         pins: config.pins.clone(),
@@ -283,13 +299,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         admin_addr: config.admin_addr,
         pass_keys,
         admin_token: config.admin_token.clone(),
-        edge: serve::default_edge_config(redis),
+        edge,
         durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
         io_memory_bytes: 1 << 20,
         render_extra: Some(prometheus_recorder()?),
         worker: (!args.no_worker)
             .then(|| serve::default_worker_config(&config.pg_url, &config.nats_url)),
     };
+    flashsale_engine::startup::warn_about_host(&serve_config);
     let handle = serve::start(serve_config)?;
     eprintln!(
         "flashsale serve: {} shards, public http://{}, admin http://{}",
@@ -301,6 +318,27 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     std::thread::sleep(std::time::Duration::from_secs(args.grace_s));
     handle.shutdown();
     Ok(())
+}
+
+/// The control key and the mode state file (CONTRACT.md section 2).
+fn control_config(config: &Config) -> anyhow::Result<flashsale_engine::control::ControlConfig> {
+    let key = match &config.control_key {
+        Some(hex) => Some(
+            flashsale_engine::modes::ControlKey::from_hex(hex)
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        ),
+        None => {
+            tracing::warn!(
+                "FLASHSALE_CONTROL_KEY is not set: every SKU NORMAL, mode changes refused"
+            );
+            None
+        }
+    };
+    Ok(flashsale_engine::control::ControlConfig {
+        key,
+        state_file: Some(config.mode_state_file.clone()),
+        modes: flashsale_engine::modes::ModeConfig::default(),
+    })
 }
 
 /// Blocks until SIGTERM or SIGINT.

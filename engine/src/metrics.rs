@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::admission::REJECT_REASONS;
 use crate::outcome::{QueryOutcome, SubmitOutcome};
 
 const SUBMIT_OUTCOMES: [SubmitOutcome; 13] = SubmitOutcome::ALL;
@@ -78,11 +79,23 @@ pub struct ShardMetrics {
     pub publish_circuit: AtomicU64,
     pub request_latency: Histogram,
     pub lua_latency: Histogram,
+    /// Requests being answered right now (connections' routes and forwarded submits); a
+    /// stopping shard waits for the sum over shards to reach zero.
+    pub requests_in_flight: AtomicU64,
+    /// Submissions refused by `decide_submit`, by `admission::REJECT_REASONS` index.
+    pub admission_rejected: [AtomicU64; REJECT_REASONS.len()],
+    /// Gauges of the periodic reconcile (shard 0 only).
+    pub reconcile: crate::reconcile::ReconcileMetrics,
 }
 
 impl ShardMetrics {
     pub fn count_submit(&self, outcome: SubmitOutcome) {
         self.submit[submit_index(outcome)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count_admission_reject(&self, reason: &str) {
+        let index = REJECT_REASONS.iter().position(|r| *r == reason).unwrap_or(0);
+        self.admission_rejected[index].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn count_query(&self, outcome: QueryOutcome) {
@@ -103,6 +116,11 @@ impl EdgeMetrics {
 
     pub fn shard(&self, id: usize) -> &ShardMetrics {
         &self.shards[id]
+    }
+
+    /// Requests in flight on every shard.
+    pub fn requests_in_flight(&self) -> u64 {
+        self.sum(|s| &s.requests_in_flight)
     }
 
     fn sum(&self, f: impl Fn(&ShardMetrics) -> &AtomicU64) -> u64 {
@@ -128,7 +146,7 @@ impl EdgeMetrics {
                 outcome.http().1
             );
         }
-        let counters: [(&str, Field); 8] = [
+        let counters: [(&str, Field); 9] = [
             ("flashsale_republished_total", |s| &s.republished),
             ("flashsale_stuck_reservations_total", |s| &s.stuck_reservations),
             ("flashsale_sold_out_fast_path_total", |s| &s.sold_out_fast_path),
@@ -137,6 +155,7 @@ impl EdgeMetrics {
             ("flashsale_http_rejections_total", |s| &s.http_rejections),
             ("flashsale_connections_refused_total", |s| &s.connections_refused),
             ("flashsale_connections_open", |s| &s.connections_open),
+            ("flashsale_requests_in_flight", |s| &s.requests_in_flight),
         ];
         for (name, field) in counters {
             let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
@@ -163,8 +182,15 @@ impl EdgeMetrics {
                 self.shards.iter().map(|s| field(s).load(Ordering::Relaxed)).max().unwrap_or(0);
             let _ = writeln!(out, "flashsale_circuit_state{{dependency=\"{dependency}\"}} {worst}");
         }
+        let _ = writeln!(out, "# TYPE flashsale_admission_rejections_total counter");
+        for (i, reason) in REJECT_REASONS.iter().enumerate() {
+            let v = self.sum(|s| &s.admission_rejected[i]);
+            let _ =
+                writeln!(out, "flashsale_admission_rejections_total{{reason=\"{reason}\"}} {v}");
+        }
         self.render_histogram(out, "flashsale_request_latency_seconds", |s| &s.request_latency);
         self.render_histogram(out, "flashsale_lua_latency_seconds", |s| &s.lua_latency);
+        crate::reconcile::ReconcileMetrics::render(self.shards.iter().map(|s| &s.reconcile), out);
     }
 
     fn render_histogram(&self, out: &mut String, name: &str, h: fn(&ShardMetrics) -> &Histogram) {

@@ -175,7 +175,9 @@ impl Mode {
         }
     }
 
-    fn from_parts(name: &str, percent: Option<u8>) -> Result<Mode, ModeError> {
+    /// A mode from its name and, for SHED_LOAD / RECOVERING only, its share (the snapshot's
+    /// `mode` and `admit_percent` fields; the admin CLI's flags).
+    pub fn from_parts(name: &str, percent: Option<u8>) -> Result<Mode, ModeError> {
         let mode = match (name, percent) {
             ("NORMAL", None) => Mode::Normal,
             ("SUBMIT_CLOSED", None) => Mode::SubmitClosed,

@@ -3,7 +3,8 @@
 //! republishes their order-create messages with the SAME message id — JetStream dedups inside
 //! its window, the PostgreSQL inbox after it. It covers messages never confirmed
 //! (`QUEUED_PENDING`) and confirmed ones whose outcome has not reached Redis by the order
-//! deadline (a message or event lost after its ack). Entries past the recovery deadline go to
+//! deadline (a message or event lost after its ack; these go out under a per-attempt
+//! `Nats-Msg-Id`, see `republish_acked`). Entries past the recovery deadline go to
 //! `resv:stuck` (counted, logged, reported by reconcile) — never dropped silently.
 //!
 //! Which SKUs exist survives restarts in Redis: the admin preheat adds each SKU to the
@@ -13,9 +14,10 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use flashsale_io::redis::script::{ClaimDueArgs, PendingEntry};
+use flashsale_io::redis::script::{ClaimDueArgs, PendingEntry, PendingStatus};
 use flashsale_io::wire::{OrderCreate, ORDER_CREATE_EVENT_TYPE, SCHEMA_VERSION};
 
+use crate::durable::DurableRequest;
 use crate::router::SkuKey;
 use crate::shard::{now_ms, submit, Shard};
 
@@ -120,7 +122,11 @@ async fn sweep(shard: &Shard, key: SkuKey, config: &ScannerConfig) {
             let message = message_of(key, &entry);
             let keys = &keys;
             async move {
-                let ok = submit::publish_and_mark(shard, keys, message).await;
+                let ok = if entry.status == PendingStatus::MessageSent {
+                    republish_acked(shard, message).await
+                } else {
+                    submit::publish_and_mark(shard, keys, message).await
+                };
                 shard.metrics().republished.fetch_add(u64::from(ok), Ordering::Relaxed);
             }
         });
@@ -129,6 +135,24 @@ async fn sweep(shard: &Shard, key: SkuKey, config: &ScannerConfig) {
             return;
         }
     }
+}
+
+/// Republishes a message the log already acknowledged (`MESSAGE_SENT`) whose outcome is
+/// overdue: the message or its outcome event was lost after the ack. Under its own message id
+/// JetStream's duplicate window (at least 10 minutes, past the recovery deadline's reach)
+/// would drop it as a duplicate of the lost original, so it goes out under
+/// `<message_id>-r<attempt>`; the body keeps every business id, and the PostgreSQL inbox,
+/// keyed by the body's message id, turns a copy into a duplicate that re-emits the recorded
+/// outcome. True when the log acknowledged it in time.
+async fn republish_acked(shard: &Shard, message: OrderCreate) -> bool {
+    let msg_id = format!("{}-r{}", message.message_id, message.retry_count);
+    let (tx, rx) = futures::channel::oneshot::channel();
+    let request = DurableRequest::PublishAs { message: Box::new(message), msg_id, reply: tx };
+    if shard.shared.durable.try_send(request).is_err() {
+        return false;
+    }
+    let wait = Duration::from_millis(shard.config().publish_wait_ms);
+    matches!(glommio::timer::timeout(wait, async { Ok(rx.await) }).await, Ok(Ok(Ok(_))))
 }
 
 /// The order-create message of a pending reservation, identical in every id to the first one.

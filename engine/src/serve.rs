@@ -103,8 +103,18 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         ip_rate: crate::limiter::Rate { per_s: 2_000, burst: 4_000 },
         limiter_slots: 1 << 16,
         scanner: crate::scanner::ScannerConfig::default(),
+        reconcile: crate::reconcile::ReconcileConfig::default(),
         publish_circuit: crate::circuit::CircuitConfig::default(),
         redis_circuit: crate::circuit::CircuitConfig::default(),
+        // Set from FLASHSALE_PAYMENT_KEY by `main`; none: payment callbacks refused.
+        payment_key: None,
+        admission: crate::admission::Budgets::default(),
+        // Above every SKU's own bound (partition.in_flight_max) times a few hot SKUs, below
+        // the Redis connection's bound: a shard full of slow submits answers OVERLOADED.
+        submit_in_flight_max: 4_096,
+        // The budgets assume a sample at most two polls old (admission.rs, SloBasis).
+        health_poll_ms: crate::admission::SloBasis::MEASURED.lag_poll_ms,
+        control: crate::control::ControlConfig::default(),
     }
 }
 
@@ -208,13 +218,25 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     );
     config.edge.http.validate().map_err(|e| anyhow::anyhow!("http limits: {e}"))?;
     config.edge.redis.validate().map_err(|e| anyhow::anyhow!("redis config: {e}"))?;
+    config.edge.reconcile.validate().map_err(|e| anyhow::anyhow!("reconcile config: {e}"))?;
     config.edge.publish_circuit.validate().map_err(|e| anyhow::anyhow!("publish circuit: {e}"))?;
     config.edge.redis_circuit.validate().map_err(|e| anyhow::anyhow!("redis circuit: {e}"))?;
+    config.edge.admission.validate().map_err(|e| anyhow::anyhow!("admission budgets: {e}"))?;
+    config.edge.control.modes.validate().map_err(|e| anyhow::anyhow!("mode config: {e}"))?;
     let table = PartitionTable::new(shard_count, &config.pins)?;
     let (sync_senders, sync_receivers): (Vec<_>, Vec<_>) =
         (0..shard_count).map(|_| tokio::sync::mpsc::channel(config.edge.mesh_capacity)).unzip();
     let targets = crate::sync::SyncTargets { table: table.clone(), shards: sync_senders };
-    let (durable, durable_handle) = Durable::start(config.durable.clone(), Some(targets))?;
+    let modes = Arc::new(crate::control::ModeState::load(&config.edge.control));
+    let health = Arc::new(crate::control::Health::default());
+    // PostgreSQL answered the durable side's start-up check; the poller keeps this current.
+    health.pg_ok_at_ms.store(shard::now_ms(), Ordering::Relaxed);
+    let control = crate::durable::Control {
+        modes: Arc::clone(&modes),
+        health: Arc::clone(&health),
+        health_poll_ms: config.edge.health_poll_ms,
+    };
+    let (durable, durable_handle) = Durable::start(config.durable.clone(), Some(targets), control)?;
     let worker = match config.worker.clone() {
         Some(worker_config) => Some(
             flashsale_pg_worker::worker::start(worker_config)
@@ -234,6 +256,8 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
         heartbeats: (0..shard_count).map(|_| AtomicU64::new(shard::now_ms())).collect(),
         started: (0..shard_count).map(|_| AtomicBool::new(false)).collect(),
         ports: std::sync::OnceLock::new(),
+        modes,
+        health: Arc::clone(&health),
         render_extra: config.render_extra,
     });
     let mesh = MeshBuilder::full(shard_count, config.edge.mesh_capacity);
@@ -275,12 +299,18 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
             handle.stop();
             anyhow::bail!("a shard failed to start (see the log)");
         }
-        if shared.started.iter().all(|s| s.load(Ordering::Relaxed)) {
+        // Started: every shard listens and the backlog has been read once (until then
+        // admission cannot tell an empty backlog from an unknown one and closes submissions).
+        if shared.started.iter().all(|s| s.load(Ordering::Relaxed))
+            && health.lag.polled_at_ms() != 0
+        {
             break;
         }
         if Instant::now() > deadline {
             handle.stop();
-            anyhow::bail!("shards did not start within 10 s");
+            anyhow::bail!(
+                "shards did not start, or the first backlog poll did not answer, within 10 s"
+            );
         }
         std::thread::sleep(Duration::from_millis(5));
     }

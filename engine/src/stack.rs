@@ -229,6 +229,7 @@ impl Server {
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }
+            reap(self.pid);
         }
         let _ = fs::remove_file(self.dir.join("pid"));
         Ok(())
@@ -241,6 +242,9 @@ impl Server {
             while process_alive(self.pid) {
                 std::thread::sleep(Duration::from_millis(5));
             }
+            // A zombie still "exists" for kill(pid, 0): PostgreSQL would refuse to start on
+            // its data directory ("another postmaster running") until it is reaped.
+            reap(self.pid);
         }
     }
 }
@@ -548,6 +552,18 @@ fn signal_process(pid: u32, signal: i32) {
     // /proc/PID/cmdline by the caller, and a stale pid only yields ESRCH.
     unsafe {
         libc::kill(pid, signal);
+    }
+}
+
+/// Collects `pid`'s exit status if it is our child (a server spawned by this process);
+/// otherwise a no-op (ECHILD).
+#[allow(unsafe_code)]
+fn reap(pid: u32) {
+    let Ok(pid) = i32::try_from(pid) else { return };
+    let mut status = 0;
+    // SAFETY: waitpid(2) writes only to `status`, a live local; WNOHANG never blocks.
+    unsafe {
+        libc::waitpid(pid, &mut status, libc::WNOHANG);
     }
 }
 

@@ -107,6 +107,8 @@ async fn settle(delivery: Delivery, publisher: &Publisher, targets: &SyncTargets
 
 /// The owner shard's side: applies one event to Redis and its local flags.
 pub async fn apply(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(), ScriptError> {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("sync_before_apply");
     let key = SkuKey::new(event.activity_id, event.sku_id);
     let keys = shard.sku_keys(key);
     let action = match event.action() {
@@ -161,6 +163,9 @@ pub async fn apply(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(), Sc
                     shard.broadcast(update);
                 }
             }
+        }
+        EventAction::Other(flashsale_io::wire::EventType::OrderCancelled) => {
+            crate::shard::orders::apply_order_cancelled(shard, event).await?;
         }
         EventAction::Other(_) => {}
     }

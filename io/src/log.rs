@@ -64,6 +64,8 @@ pub const REDIS_SYNC_CONSUMER: &str = "redis-sync";
 /// Where `redis-sync` dead-letters.
 pub const REDIS_SYNC_DLQ_SUBJECT: &str = "seckill.dlq.redis-sync";
 
+/// The JetStream KV bucket of degradation-mode snapshots (engine `control.rs`).
+pub const MODES_BUCKET: &str = "flashsale_modes";
 /// Header carrying W3C trace context from HTTP into messages and events.
 pub const TRACEPARENT_HEADER: &str = "traceparent";
 /// Dead letters: the error that sent the message there.
@@ -467,6 +469,33 @@ impl Log {
     /// Polls the `order-writer` backlog once (see [`LogLag`]).
     pub async fn poll_order_writer_lag(&self, now_ms: u64) -> Result<LagSample, LogError> {
         lag::poll(&self.context, ORDERS_STREAM, ORDER_WRITER_CONSUMER, now_ms).await
+    }
+
+    /// The degradation-mode bucket (one key per scope; created on first use). A KV bucket is a
+    /// JetStream stream, replicated like the others, and it is not the Redis whose failure a
+    /// mode change may be about. The stream is created here with the KV layout rather than
+    /// through `create_key_value`, whose account query does not parse nats-server 2.9's answer.
+    pub async fn mode_store(&self) -> Result<jetstream::kv::Store, LogError> {
+        let api = |e: &dyn std::fmt::Display| LogError::Api {
+            op: "mode bucket",
+            message: e.to_string(),
+            transient: true,
+        };
+        let config = stream::Config {
+            name: format!("KV_{MODES_BUCKET}"),
+            description: Some("flashsale degradation-mode snapshots, one key per scope".into()),
+            subjects: vec![format!("$KV.{MODES_BUCKET}.>")],
+            max_messages_per_subject: 5,
+            max_message_size: 8 * 1024,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: stream::DiscardPolicy::New,
+            num_replicas: self.config.replicas,
+            ..Default::default()
+        };
+        self.context.get_or_create_stream(config).await.map_err(|e| api(&e))?;
+        self.context.get_key_value(MODES_BUCKET).await.map_err(|e| api(&e))
     }
 
     /// Sends everything buffered (acks included) to the server; call before dropping the

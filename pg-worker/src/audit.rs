@@ -3,6 +3,8 @@
 //! What it is: [`check_invariants`], ONE query that counts what each invariant is about for one
 //! SKU, and [`InvariantReport`], the counts plus a list of violations in words. Tests call it
 //! at the end of every scenario; the load generator, drills and the reconcile report reuse it.
+//! [`FINDINGS`] names the row sets behind the counts that have ids, so that the reconcile report
+//! (`reconcile.rs`) lists exactly the rows a count counted.
 //!
 //! - I1 no oversell: live orders (not CANCELLED/CLOSED) ≤ total stock; no token held by two
 //!   live orders; every live TOKEN order holds a CLAIMED/SOLD token claimed by its own
@@ -23,7 +25,7 @@ use tokio_postgres::Client;
 use crate::error::PgError;
 
 /// The counts behind the invariants of one SKU, and what is wrong with them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct InvariantReport {
     pub activity_id: i64,
     pub sku_id: i64,
@@ -66,11 +68,101 @@ impl InvariantReport {
     }
 }
 
+// The row sets behind the counts that name rows: each is a `SELECT <id> FROM ... WHERE ...`
+// over the base tables for ($1 activity_id, $2 sku_id). The check counts them
+// (`SELECT count(*) FROM (<set>) x`); the reconcile report (`reconcile.rs`) lists their ids
+// (`SELECT * FROM (<set>) x ORDER BY 1 LIMIT n`) — one definition, so a count and the ids it
+// reports can never disagree. Macros, not consts: `concat!` takes only literals.
+// `LIVE` = not CANCELLED/CLOSED.
+
+/// Tokens (ids) held by more than one live order.
+macro_rules! tokens_shared_sql {
+    () => {
+        "SELECT inventory_token_id FROM orders \
+         WHERE activity_id = $1 AND sku_id = $2 AND status NOT IN ('CANCELLED', 'CLOSED') \
+           AND inventory_token_id IS NOT NULL \
+         GROUP BY inventory_token_id HAVING count(*) > 1"
+    };
+}
+/// Held tokens (ids) that no live order holds.
+macro_rules! held_tokens_without_order_sql {
+    () => {
+        "SELECT t.token_id FROM inventory_token t \
+         WHERE t.activity_id = $1 AND t.sku_id = $2 AND t.status IN ('CLAIMED', 'SOLD') \
+           AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.inventory_token_id = t.token_id \
+                           AND o.status NOT IN ('CANCELLED', 'CLOSED'))"
+    };
+}
+/// Live TOKEN orders (ids) whose token is not held for their reservation.
+macro_rules! orders_without_held_token_sql {
+    () => {
+        "SELECT o.order_id FROM orders o \
+           LEFT JOIN inventory_token t ON t.token_id = o.inventory_token_id \
+         WHERE o.activity_id = $1 AND o.sku_id = $2 AND o.status NOT IN ('CANCELLED', 'CLOSED') \
+           AND (SELECT allocator FROM sku_inventory \
+                WHERE activity_id = $1 AND sku_id = $2) = 'TOKEN' \
+           AND (t.token_id IS NULL OR t.status NOT IN ('CLAIMED', 'SOLD') \
+                OR t.reservation_id IS DISTINCT FROM o.reservation_id)"
+    };
+}
+/// Buyers (user ids, as text) with more than one order.
+macro_rules! duplicate_buyers_sql {
+    () => {
+        "SELECT user_id::text FROM orders WHERE activity_id = $1 AND sku_id = $2 \
+         GROUP BY user_id HAVING count(*) > 1"
+    };
+}
+/// Reservations (ids) committed as PROCESSING.
+macro_rules! reservations_processing_sql {
+    () => {
+        "SELECT reservation_id FROM inventory_reservation \
+         WHERE activity_id = $1 AND sku_id = $2 AND status = 'PROCESSING'"
+    };
+}
+/// ORDER_CREATED reservations (ids) without an order.
+macro_rules! created_reservations_without_order_sql {
+    () => {
+        "SELECT r.reservation_id FROM inventory_reservation r \
+         WHERE r.activity_id = $1 AND r.sku_id = $2 AND r.status = 'ORDER_CREATED' \
+           AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.reservation_id = r.reservation_id)"
+    };
+}
+/// Orders (ids) without an ORDER_CREATED reservation.
+macro_rules! orders_without_created_reservation_sql {
+    () => {
+        "SELECT o.order_id FROM orders o WHERE o.activity_id = $1 AND o.sku_id = $2 \
+           AND NOT EXISTS (SELECT 1 FROM inventory_reservation r \
+                           WHERE r.reservation_id = o.reservation_id \
+                             AND r.status = 'ORDER_CREATED')"
+    };
+}
+/// Reservations (ids) with more than one ledger CLAIM.
+macro_rules! duplicate_claims_sql {
+    () => {
+        "SELECT reservation_id FROM inventory_ledger \
+         WHERE activity_id = $1 AND sku_id = $2 AND kind = 'CLAIM' \
+         GROUP BY reservation_id HAVING count(*) > 1"
+    };
+}
+
+/// The findings whose rows have ids, by name: the name is the [`InvariantReport`] field that
+/// counts them; the SQL selects their ids (see the macros above).
+pub const FINDINGS: [(&str, &str); 8] = [
+    ("tokens_shared", tokens_shared_sql!()),
+    ("held_tokens_without_order", held_tokens_without_order_sql!()),
+    ("orders_without_held_token", orders_without_held_token_sql!()),
+    ("duplicate_buyers", duplicate_buyers_sql!()),
+    ("reservations_processing", reservations_processing_sql!()),
+    ("created_reservations_without_order", created_reservations_without_order_sql!()),
+    ("orders_without_created_reservation", orders_without_created_reservation_sql!()),
+    ("duplicate_claims", duplicate_claims_sql!()),
+];
+
 /// Every count reads the base tables (not shared CTEs: PostgreSQL materializes a CTE that is
 /// referenced twice, and an anti-join against a materialized CTE has no index, which made
 /// this O(orders x tokens)). `LIVE` = not CANCELLED/CLOSED.
-const CHECK_SQL: &str = "\
-SELECT \
+const CHECK_SQL: &str = concat!(
+    "SELECT \
   (SELECT count(*) FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2), \
   (SELECT allocator FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2), \
   (SELECT total_stock FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2), \
@@ -87,37 +179,31 @@ SELECT \
      AND status = 'SOLD'), \
   (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2 \
      AND status = 'RELEASED'), \
-  (SELECT count(*) FROM (SELECT inventory_token_id FROM orders \
-     WHERE activity_id = $1 AND sku_id = $2 AND status NOT IN ('CANCELLED', 'CLOSED') \
-       AND inventory_token_id IS NOT NULL \
-     GROUP BY inventory_token_id HAVING count(*) > 1) x), \
-  (SELECT count(*) FROM inventory_token t \
-     WHERE t.activity_id = $1 AND t.sku_id = $2 AND t.status IN ('CLAIMED', 'SOLD') \
-       AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.inventory_token_id = t.token_id \
-                       AND o.status NOT IN ('CANCELLED', 'CLOSED'))), \
-  (SELECT count(*) FROM orders o LEFT JOIN inventory_token t ON t.token_id = o.inventory_token_id \
-     WHERE o.activity_id = $1 AND o.sku_id = $2 AND o.status NOT IN ('CANCELLED', 'CLOSED') \
-       AND (SELECT allocator FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2) = 'TOKEN' \
-       AND (t.token_id IS NULL OR t.status NOT IN ('CLAIMED', 'SOLD') \
-            OR t.reservation_id IS DISTINCT FROM o.reservation_id)), \
-  (SELECT count(*) FROM (SELECT user_id FROM orders WHERE activity_id = $1 AND sku_id = $2 \
-     GROUP BY user_id HAVING count(*) > 1) x), \
+  (SELECT count(*) FROM (",
+    tokens_shared_sql!(),
+    ") x), (SELECT count(*) FROM (",
+    held_tokens_without_order_sql!(),
+    ") x), (SELECT count(*) FROM (",
+    orders_without_held_token_sql!(),
+    ") x), (SELECT count(*) FROM (",
+    duplicate_buyers_sql!(),
+    ") x), \
   (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2), \
-  (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2 \
-     AND status = 'PROCESSING'), \
+  (SELECT count(*) FROM (",
+    reservations_processing_sql!(),
+    ") x), \
   (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2 \
      AND status = 'ORDER_CREATED'), \
   (SELECT count(*) FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2 \
      AND status LIKE 'REJECTED_%'), \
-  (SELECT count(*) FROM inventory_reservation r \
-     WHERE r.activity_id = $1 AND r.sku_id = $2 AND r.status = 'ORDER_CREATED' \
-       AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.reservation_id = r.reservation_id)), \
-  (SELECT count(*) FROM orders o WHERE o.activity_id = $1 AND o.sku_id = $2 \
-     AND NOT EXISTS (SELECT 1 FROM inventory_reservation r \
-                     WHERE r.reservation_id = o.reservation_id AND r.status = 'ORDER_CREATED')), \
-  (SELECT count(*) FROM (SELECT reservation_id FROM inventory_ledger \
-     WHERE activity_id = $1 AND sku_id = $2 AND kind = 'CLAIM' \
-     GROUP BY reservation_id HAVING count(*) > 1) x)";
+  (SELECT count(*) FROM (",
+    created_reservations_without_order_sql!(),
+    ") x), (SELECT count(*) FROM (",
+    orders_without_created_reservation_sql!(),
+    ") x), (SELECT count(*) FROM (",
+    duplicate_claims_sql!(),
+    ") x)"
+);
 
 /// Counts and judges the invariants of one SKU (see the module documentation).
 pub async fn check_invariants(

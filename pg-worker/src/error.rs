@@ -147,6 +147,31 @@ impl PgError {
     }
 }
 
+impl PgError {
+    /// The database cannot be reached or is not accepting work (no connection, connection
+    /// lost, shutting down, starting up, read-only standby): a retry of the same work on a
+    /// new connection will do once it is back. Narrower than [`PgError::is_transient`], which
+    /// also covers lost races (serialization, deadlock, lock timeout) that should be redone
+    /// promptly rather than held.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            PgError::Pool(_) => true,
+            PgError::Db(e) => match e.code() {
+                Some(code) => {
+                    code.code().starts_with("08")
+                        || *code == SqlState::ADMIN_SHUTDOWN
+                        || *code == SqlState::CRASH_SHUTDOWN
+                        || *code == SqlState::CANNOT_CONNECT_NOW
+                        || *code == SqlState::READ_ONLY_SQL_TRANSACTION
+                        || *code == SqlState::TOO_MANY_CONNECTIONS
+                }
+                None => driver_error_is_transient(e),
+            },
+            _ => false,
+        }
+    }
+}
+
 /// Whether a bare driver error is worth a retry (the rules of
 /// [`PgError::is_transient`], for callers that must keep the error itself).
 pub fn sql_error_is_transient(e: &tokio_postgres::Error) -> bool {

@@ -55,6 +55,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "order_create",
         sql: include_str!("../migrations/0002_order_create.sql"),
     },
+    Migration {
+        version: 3,
+        name: "payments",
+        sql: include_str!("../migrations/0003_payments.sql"),
+    },
 ];
 
 // A malformed list is a build defect: catch it at compile time.

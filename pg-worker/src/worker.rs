@@ -86,6 +86,9 @@ pub struct WorkerConfig {
     pub error_pause_ms: u64,
     /// Bound on each phase of a graceful shutdown.
     pub shutdown_timeout_ms: u64,
+    /// The order timeout closer (`payments::close_due_orders`), one task beside the outbox;
+    /// it borrows a pooled connection per round, like the lag task.
+    pub closer: crate::payments::CloserConfig,
 }
 
 impl Default for WorkerConfig {
@@ -106,6 +109,7 @@ impl Default for WorkerConfig {
             lag_poll_ms: 500,
             error_pause_ms: 200,
             shutdown_timeout_ms: 10_000,
+            closer: crate::payments::CloserConfig::default(),
         }
     }
 }
@@ -118,6 +122,7 @@ impl WorkerConfig {
     pub fn validate(&self) -> Result<(), PgError> {
         self.pg.validate()?;
         self.log.validate()?;
+        self.closer.validate()?;
         let bad = |message: String| Err(PgError::Config(message));
         if self.runtime_threads == 0 || self.order_writers == 0 || self.outbox_publishers == 0 {
             return bad("runtime_threads, order_writers and outbox_publishers must be >= 1".into());
@@ -254,6 +259,8 @@ pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
         let (shared, stop) = (shared.clone(), others_stop_rx.clone());
         others.push(runtime.spawn(async move { outbox_task(&shared, stop).await }));
     }
+    let (closer_shared, closer_stop) = (shared.clone(), others_stop_rx.clone());
+    others.push(runtime.spawn(async move { closer_task(&closer_shared, closer_stop).await }));
     let lag_shared = shared.clone();
     others.push(runtime.spawn(async move { lag_task(&lag_shared, others_stop_rx).await }));
     tracing::info!(
@@ -403,13 +410,13 @@ async fn order_writer_task(shared: &Shared, source: PullSource, mut stop: watch:
         };
         for batch in deliveries.chunks(config.batch_max) {
             let span = tracing::debug_span!("order_batch", size = batch.len());
-            process_batch(shared, batch).instrument(span).await;
+            process_batch(shared, batch, &mut stop).instrument(span).await;
         }
     }
 }
 
 /// Decodes, writes and settles one batch of deliveries.
-async fn process_batch(shared: &Shared, deliveries: &[Delivery]) {
+async fn process_batch(shared: &Shared, deliveries: &[Delivery], stop: &mut watch::Receiver<bool>) {
     let decoded: Vec<Result<OrderCreate, DecodeError>> =
         deliveries.iter().map(|d| decode_order_create(d.payload())).collect();
     // Writable messages, by SKU: concurrent batches then take ROW allocator rows (and the
@@ -421,7 +428,11 @@ async fn process_batch(shared: &Shared, deliveries: &[Delivery]) {
     });
     let messages: Vec<&OrderCreate> =
         writable.iter().filter_map(|&i| decoded[i].as_ref().ok()).collect();
-    let written = if messages.is_empty() { Ok(Vec::new()) } else { write(shared, &messages).await };
+    let written = if messages.is_empty() {
+        Ok(Vec::new())
+    } else {
+        write_holding(shared, &messages, deliveries, stop).await
+    };
     let commit_ms = now_ms();
     let mut outcome_of: Vec<Option<usize>> = vec![None; deliveries.len()];
     for (k, &i) in writable.iter().enumerate() {
@@ -454,12 +465,50 @@ async fn process_batch(shared: &Shared, deliveries: &[Delivery]) {
     futures::future::join_all(settles).await;
 }
 
+/// Writes the batch; while PostgreSQL is unavailable, holds it (its messages marked in
+/// progress, so the server neither redelivers them nor counts deliveries) and retries with
+/// full-jitter backoff up to `error_pause_ms × 5`, until it commits, fails otherwise, or the
+/// worker stops. The write is idempotent (the inbox), so a retry after an unknown commit is
+/// safe. Holding beats NAK-with-backoff here: the backlog drains the moment the database is
+/// back instead of on each message's redelivery schedule, and the held batch is what the
+/// writer would do next anyway (nothing else can commit either).
+async fn write_holding(
+    shared: &Shared,
+    messages: &[&OrderCreate],
+    deliveries: &[Delivery],
+    stop: &mut watch::Receiver<bool>,
+) -> Result<Vec<WriteOutcome>, PgError> {
+    let pause_max_ms = shared.config.error_pause_ms.saturating_mul(5).max(1);
+    let mut pause_ms = shared.config.error_pause_ms.max(1);
+    loop {
+        match write(shared, messages).await {
+            Err(e) if e.is_unavailable() && !*stop.borrow() => {
+                metrics::counter!("flashsale_order_writer_held_retries_total").increment(1);
+                tracing::debug!(error = %e, size = messages.len(), "postgres unavailable: holding");
+                for delivery in deliveries {
+                    let _ = delivery.in_progress().await;
+                }
+                let jittered = rand::random::<u64>() % pause_ms + 1;
+                if pause(ms(jittered), stop).await {
+                    return Err(e);
+                }
+                pause_ms = (pause_ms * 2).min(pause_max_ms);
+            }
+            other => return other,
+        }
+    }
+}
+
 /// One transaction on a pooled connection; a connection whose transaction failed is
 /// discarded (it may still be inside that transaction).
 async fn write(shared: &Shared, messages: &[&OrderCreate]) -> Result<Vec<WriteOutcome>, PgError> {
     let client = shared.pool.get().await?;
     match write_batch(&client, ORDER_WRITER_CONSUMER, messages, now_ms()).await {
-        Ok(outcomes) => Ok(outcomes),
+        Ok(outcomes) => {
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("worker_after_commit");
+            Ok(outcomes)
+        }
         Err(e) => {
             drop(deadpool_postgres::Object::take(client));
             Err(e)
@@ -587,6 +636,30 @@ async fn outbox_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
                 }
                 pause(ms(config.error_pause_ms), &mut stop).await;
             }
+        }
+    }
+}
+
+/// The order timeout closer (DESIGN.md section 6): a bounded round, then the next one at once
+/// if it was full, else after `closer.interval_ms`.
+async fn closer_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
+    let closer = &shared.config.closer;
+    loop {
+        let round = async {
+            let client = shared.pool.get().await?;
+            crate::payments::close_due_orders(&client, closer.batch_max, now_ms()).await
+        }
+        .await;
+        let pause_ms = match round {
+            Ok(round) if round.candidates == closer.batch_max && !round.closed.is_empty() => 0,
+            Ok(_) => closer.interval_ms,
+            Err(e) => {
+                tracing::warn!(error = %e, "closer round failed");
+                shared.config.error_pause_ms.max(closer.interval_ms)
+            }
+        };
+        if pause(ms(pause_ms), &mut stop).await {
+            return;
         }
     }
 }

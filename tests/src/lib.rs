@@ -35,6 +35,12 @@ impl Private {
             .prefix(&format!("flashsale-test-{}-", kind.name()))
             .tempdir()
             .expect("create temp dir for a private server");
+        if kind == Kind::Postgres {
+            // Run as root, PostgreSQL runs as `postgres`, which must traverse to its data.
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+                .expect("open the private cluster's directory to the postgres user");
+        }
         let server = Server::start(kind, dir.path(), None)
             .unwrap_or_else(|e| panic!("start private {}: {e}", kind.name()));
         Private { server, _dir: dir }
@@ -195,6 +201,28 @@ impl HttpClient {
         HttpClient { stream, buf: Vec::new() }
     }
 
+    /// A connection, or None when the engine refuses it (stopped listening).
+    pub fn try_connect(addr: SocketAddr) -> Option<HttpClient> {
+        let stream = std::net::TcpStream::connect(addr).ok()?;
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
+        stream.set_nodelay(true).ok()?;
+        Some(HttpClient { stream, buf: Vec::new() })
+    }
+
+    /// [`HttpClient::request`] that answers None when the connection breaks (drills).
+    pub fn try_request(
+        &mut self,
+        method: &str,
+        path: &str,
+        bearer: Option<&str>,
+        body: Option<&str>,
+    ) -> Option<HttpResponse> {
+        use std::io::Write;
+        let raw = request_bytes(method, path, bearer, body);
+        self.stream.write_all(raw.as_bytes()).ok()?;
+        self.read_response()
+    }
+
     /// Writes raw bytes (one or several requests).
     pub fn send_raw(&mut self, bytes: &[u8]) {
         use std::io::Write;
@@ -254,21 +282,25 @@ impl HttpClient {
         bearer: Option<&str>,
         body: Option<&str>,
     ) -> HttpResponse {
-        let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: test\r\n");
-        if let Some(token) = bearer {
-            raw.push_str(&format!("Authorization: Bearer {token}\r\n"));
-        }
-        if let Some(body) = body {
-            raw.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            ));
-        } else {
-            raw.push_str("\r\n");
-        }
-        self.send_raw(raw.as_bytes());
+        self.send_raw(request_bytes(method, path, bearer, body).as_bytes());
         self.read_response().expect("a response before the connection closed")
     }
+}
+
+fn request_bytes(method: &str, path: &str, bearer: Option<&str>, body: Option<&str>) -> String {
+    let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: test\r\n");
+    if let Some(token) = bearer {
+        raw.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    if let Some(body) = body {
+        raw.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ));
+    } else {
+        raw.push_str("\r\n");
+    }
+    raw
 }
 
 // ---- the engine in-process ---------------------------------------------------------------
@@ -292,11 +324,17 @@ impl Engine {
     }
 
     pub fn start_with(tune: impl FnOnce(&mut ServeConfig)) -> Engine {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let db = runtime.block_on(crate::pg_database());
+        Engine::start_on(db, tune)
+    }
+
+    /// An engine over the database `db` (migrated here), with its own Redis and NATS.
+    pub fn start_on(db: TestDb, tune: impl FnOnce(&mut ServeConfig)) -> Engine {
         let redis = crate::redis();
         let nats = crate::nats();
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let db = runtime.block_on(async {
-            let db = crate::pg_database().await;
             let (mut client, conn) =
                 tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
             let driver = tokio::spawn(conn);
@@ -305,21 +343,7 @@ impl Engine {
             let _ = driver.await;
             db
         });
-        let mut config = ServeConfig {
-            shards: 2,
-            pins: Vec::new(),
-            pinning: Pinning::Unpinned,
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            admin_addr: "127.0.0.1:0".parse().unwrap(),
-            pass_keys: PassKeys::parse(KEYS).unwrap(),
-            admin_token: None,
-            edge: serve::default_edge_config(redis.addr()),
-            durable: serve::default_durable_config(&db.url, &nats.url()),
-            io_memory_bytes: 256 << 10,
-            render_extra: None,
-            // The edge alone: outcomes are injected as events where a test needs them.
-            worker: None,
-        };
+        let mut config = serve_config(redis.addr(), &nats.url(), &db.url);
         tune(&mut config);
         let handle = serve::start(config).expect("engine starts");
         let keys = PassKeys::parse(KEYS).unwrap();
@@ -381,6 +405,42 @@ impl Engine {
     pub fn metrics(&self) -> String {
         HttpClient::connect(self.admin()).request("GET", "/metrics", None, None).body
     }
+
+    /// What `flashsale serve` does on SIGTERM: drain (readiness false, listeners stop
+    /// accepting), wait `grace`, shut down (shards finish in-flight requests, the worker
+    /// commits then acks, connections close). The stores stay up.
+    pub fn terminate(&mut self, grace: std::time::Duration) {
+        if let Some(handle) = self.handle.take() {
+            handle.drain();
+            std::thread::sleep(grace);
+            handle.shutdown();
+        }
+    }
+
+    /// Serves again on the same stores (after [`Engine::terminate`], or a crash drill).
+    pub fn restart_with(&mut self, tune: impl FnOnce(&mut ServeConfig)) {
+        self.terminate(std::time::Duration::ZERO);
+        let mut config = serve_config(self.redis.addr(), &self.nats.url(), &self.db.url);
+        tune(&mut config);
+        self.handle = Some(serve::start(config).expect("engine restarts"));
+    }
+
+    /// Checks DESIGN.md section 8's PostgreSQL invariants of one SKU; panics with the report.
+    pub fn assert_invariants(&self, activity: u64, sku: u64) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let (client, conn) =
+                tokio_postgres::connect(&self.db.url, tokio_postgres::NoTls).await.unwrap();
+            let driver = tokio::spawn(conn);
+            let report =
+                flashsale_pg_worker::audit::check_invariants(&client, activity as i64, sku as i64)
+                    .await
+                    .unwrap();
+            assert!(report.ok(), "invariants violated: {report:#?}");
+            drop(client);
+            let _ = driver.await;
+        });
+    }
 }
 
 impl Drop for Engine {
@@ -389,6 +449,37 @@ impl Drop for Engine {
             handle.shutdown();
         }
     }
+}
+
+/// The test engine's configuration over the given stores: two unpinned shards on port 0, the
+/// test pass keys, no admin token, the edge alone (`worker: None`: outcomes are injected as
+/// events where a test needs them; `small_worker` adds one).
+pub fn serve_config(redis: SocketAddr, nats_url: &str, pg_url: &str) -> ServeConfig {
+    let mut edge = serve::default_edge_config(redis);
+    // Without a worker nothing drains the log, so its backlog only ages: lift the backlog
+    // budgets (the degradation drills that exercise them set `Budgets::default()` back).
+    edge.admission.oldest_pending_age_max_ms = u64::MAX / 4;
+    edge.admission.pending_count_max = u64::MAX / 4;
+    ServeConfig {
+        shards: 2,
+        pins: Vec::new(),
+        pinning: Pinning::Unpinned,
+        http_addr: "127.0.0.1:0".parse().unwrap(),
+        admin_addr: "127.0.0.1:0".parse().unwrap(),
+        pass_keys: PassKeys::parse(KEYS).unwrap(),
+        admin_token: None,
+        edge,
+        durable: serve::default_durable_config(pg_url, nats_url),
+        io_memory_bytes: 256 << 10,
+        render_extra: None,
+        worker: None,
+    }
+}
+
+/// A private PostgreSQL cluster of its own (initdb: seconds), for drills that stop it; the
+/// suite's shared cluster must never be stopped. Connect as `postgres` to database `postgres`.
+pub fn postgres() -> Private {
+    Private::start(Kind::Postgres)
 }
 
 /// A small order worker for an in-process engine (its pool and runtime sized for tests).

@@ -99,6 +99,7 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
         (Method::Get, "/metrics") => {
             let mut text = String::with_capacity(16 * 1024);
             shared.metrics.render(&mut text);
+            render_mode(shard, &mut text);
             if let Some(extra) = &shared.render_extra {
                 text.push_str(&extra());
             }
@@ -110,6 +111,9 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
             (Status::Ok, json!({"draining": true}).to_string())
         }
         (Method::Post, "/admin/v1/activities") => create_activity(shard, body).await,
+        (Method::Post, "/admin/v1/mode") => post_mode(shard, body).await,
+        (Method::Get, "/admin/v1/mode") => get_mode(shard),
+        (Method::Get, path) if path.ends_with("/reconcile") => reconcile(shard, path).await,
         (Method::Get, path) if path.starts_with("/admin/v1/activities/") => {
             match parse_sku_path(path) {
                 Some(key) => sku_status(shard, key).await,
@@ -118,6 +122,91 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
         }
         _ => not_found(),
     }
+}
+
+/// `POST /admin/v1/mode`: a signed snapshot (DESIGN.md section 7). Checked against this
+/// instance's table first (forged, stale, expired or a forbidden transition never reach the
+/// fleet), then put into the replicated mode bucket, then applied here; every other instance
+/// applies it from the bucket.
+async fn post_mode(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
+    use crate::control::{kv_key, ControlError};
+    use crate::modes::SignedSnapshot;
+    let modes = &shard.shared.modes;
+    let refused = |e: ControlError| {
+        let (code, reason) = e.http();
+        tracing::warn!(error = %e, "mode snapshot refused");
+        let status = Status::from_code(code).unwrap_or(Status::BadRequest);
+        (status, json!({"state": "REFUSED", "reason_code": reason, "error": e.to_string()}))
+    };
+    let text = std::str::from_utf8(body).unwrap_or("");
+    let signed = match SignedSnapshot::from_json(text) {
+        Ok(signed) => signed,
+        Err(e) => {
+            let (status, body) = refused(ControlError::Mode(e));
+            return (status, body.to_string());
+        }
+    };
+    if let Err(e) = modes.check(&signed, now_ms()) {
+        let (status, body) = refused(e);
+        return (status, body.to_string());
+    }
+    let key = kv_key(signed.snapshot.scope);
+    let value = signed.to_json();
+    let put =
+        shard.shared.durable.call(|reply| DurableRequest::PutMode { key, value, reply }).await;
+    if let Err(e) = put {
+        let (status, body) = refused(ControlError::Store(e.to_string()));
+        return (status, body.to_string());
+    }
+    // The watcher may already have applied our own put: a stale version then means "done".
+    match modes.apply(&signed, now_ms()) {
+        Ok(_) | Err(ControlError::Mode(crate::modes::ModeError::StaleVersion { .. })) => {}
+        Err(e) => {
+            let (status, body) = refused(e);
+            return (status, body.to_string());
+        }
+    }
+    let snapshot = &signed.snapshot;
+    let body = json!({
+        "state": "ACCEPTED",
+        "scope": snapshot.scope.to_string(),
+        "version": snapshot.version,
+        "mode": snapshot.mode.name(),
+        "admit_percent": snapshot.mode.admit_percent(),
+        "expires_at_ms": snapshot.expires_at_ms,
+    });
+    (Status::Ok, body.to_string())
+}
+
+/// `GET /admin/v1/mode`: the global scope's effective mode and its snapshot.
+fn get_mode(shard: &Shard) -> (Status, String) {
+    let modes = &shard.shared.modes;
+    let effective = modes.global(now_ms());
+    let snapshot = modes
+        .describe(crate::modes::Scope::Global)
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s.to_json()).ok());
+    let body = json!({
+        "mode": effective.mode.name(),
+        "admit_percent": effective.admit_percent(),
+        "reason_code": effective.reason(),
+        "closes_submissions": effective.closes_submissions(),
+        "snapshot": snapshot,
+    });
+    (Status::Ok, body.to_string())
+}
+
+/// `flashsale_mode`: the global scope's effective mode (NORMAL 0 .. QUERY_ONLY 4; an expired or
+/// unverifiable state counts as SUBMIT_CLOSED).
+fn render_mode(shard: &Shard, out: &mut String) {
+    use std::fmt::Write as _;
+    let effective = shard.shared.modes.global(now_ms());
+    let value = if effective.closes_submissions() {
+        effective.mode.metric_value().max(crate::modes::Mode::SubmitClosed.metric_value())
+    } else {
+        effective.mode.metric_value()
+    };
+    let _ =
+        writeln!(out, "# TYPE flashsale_mode gauge\nflashsale_mode{{scope=\"global\"}} {value}");
 }
 
 fn health(ok: bool, what: &str) -> (Status, String) {
@@ -131,6 +220,15 @@ fn not_found() -> (Status, String) {
 
 fn error(status: Status, reason: &str) -> (Status, String) {
     (status, json!({"state": "INVALID", "reason_code": reason}).to_string())
+}
+
+/// `GET /admin/v1/activities/{a}/skus/{s}/reconcile`: the conservation report
+/// (`crate::reconcile`).
+async fn reconcile(shard: &Rc<Shard>, path: &str) -> (Status, String) {
+    match path.strip_suffix("/reconcile").and_then(parse_sku_path) {
+        Some(key) => crate::reconcile::admin_reply(shard, key).await,
+        None => not_found(),
+    }
 }
 
 /// `/admin/v1/activities/{a}/skus/{s}`

@@ -14,7 +14,7 @@ use bytes::{Buf, BytesMut};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
 
-use super::{admin, submit, Shard};
+use super::{admin, orders, submit, Shard};
 use crate::http::{
     parse_request, write_rejection, write_response, Connection, Method, Parsed, Request,
     ResponseHead, Status,
@@ -98,7 +98,10 @@ async fn serve_connection(shard: &Rc<Shard>, mut stream: TcpStream, plane: Plane
                 }
                 Parsed::Complete { request, consumed } => {
                     let ctx = RequestCtx { peer_ip, peer_is_loopback, plane };
+                    let in_flight = &shard.metrics().requests_in_flight;
+                    in_flight.fetch_add(1, Ordering::Relaxed);
                     let keep = route(shard, &request, &ctx, &mut out, &mut scratch).await;
+                    in_flight.fetch_sub(1, Ordering::Relaxed);
                     shard.metrics().request_latency.observe_ns(started.elapsed().as_nanos() as u64);
                     inbuf.advance(consumed);
                     answered += 1;
@@ -201,6 +204,13 @@ async fn route(
             (Method::Get, path) if path.starts_with("/v1/reservations/") => {
                 let id = &path["/v1/reservations/".len()..];
                 submit::handle_query(shard, request, id, &mut head, out).await
+            }
+            (_, path) if path.starts_with(orders::ORDERS_PREFIX) => {
+                let rest = &path[orders::ORDERS_PREFIX.len()..];
+                orders::handle_order(shard, request, rest, &mut head, out).await
+            }
+            (Method::Post, orders::CALLBACK_PATH) => {
+                orders::handle_callback(shard, body, &mut head, out).await
             }
             (_, "/v1/reservations") => {
                 head.status = Status::MethodNotAllowed;

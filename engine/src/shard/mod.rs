@@ -12,6 +12,7 @@
 
 pub mod admin;
 pub mod conn;
+pub mod orders;
 pub mod submit;
 
 use std::cell::{Cell, RefCell};
@@ -72,8 +73,20 @@ pub struct EdgeConfig {
     /// Buckets per limiter table (fixed memory; colliding keys share a bucket).
     pub limiter_slots: usize,
     pub scanner: crate::scanner::ScannerConfig,
+    /// The reconcile report and its periodic job (shard 0).
+    pub reconcile: crate::reconcile::ReconcileConfig,
     pub publish_circuit: crate::circuit::CircuitConfig,
     pub redis_circuit: crate::circuit::CircuitConfig,
+    /// `FLASHSALE_PAYMENT_KEY`: verifies payment callbacks; `None` refuses them (503).
+    pub payment_key: Option<orders::PaymentKey>,
+    /// `decide_submit`'s thresholds (defaults derived from the 3 s order SLO, admission.rs).
+    pub admission: crate::admission::Budgets,
+    /// Submissions one shard works on at once (owner side); beyond it `OVERLOADED`.
+    pub submit_in_flight_max: u32,
+    /// How often the durable side polls the `order-writer` backlog and pings PostgreSQL.
+    pub health_poll_ms: u64,
+    /// The control key, where accepted mode snapshots persist, the mode rules.
+    pub control: crate::control::ControlConfig,
 }
 
 /// What all shards share read-only (plus a few flags and the metrics).
@@ -92,6 +105,10 @@ pub struct EdgeShared {
     pub started: Box<[AtomicBool]>,
     /// Set by shard 0 once bound: the public and admin ports (port 0 resolves here).
     pub ports: std::sync::OnceLock<(u16, u16)>,
+    /// The accepted degradation modes (shards read their own copy, `Shard::modes`).
+    pub modes: Arc<crate::control::ModeState>,
+    /// The backlog and PostgreSQL contact, as polled by the durable side.
+    pub health: Arc<crate::control::Health>,
     /// Renders the durable side's `metrics` crate recorder, if one is installed.
     pub render_extra: Option<Box<dyn Fn() -> String + Send + Sync>>,
 }
@@ -129,6 +146,10 @@ pub struct Shard {
     pub publish_circuit: RefCell<crate::circuit::Circuit>,
     /// The Redis circuit of this shard: open → SYSTEM_BUSY without a call (fail closed).
     pub redis_circuit: RefCell<crate::circuit::Circuit>,
+    /// This shard's copy of the mode table.
+    pub modes: RefCell<crate::control::ShardModes>,
+    /// Submissions this shard works on as owner (admission's local in-flight).
+    pub submits_in_flight: Cell<u32>,
 }
 
 impl Shard {
@@ -280,6 +301,8 @@ pub async fn run(start: ShardStart) {
         ip_limiter: RefCell::new(Limiter::new(shared.config.ip_rate, shared.config.limiter_slots)),
         publish_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.publish_circuit)),
         redis_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.redis_circuit)),
+        modes: RefCell::new(crate::control::ShardModes::new(&shared.modes)),
+        submits_in_flight: Cell::new(0),
     });
     spawn_mesh_receivers(&shard, receivers);
     if let Some(rx) = sync_rx {
@@ -289,6 +312,7 @@ pub async fn run(start: ShardStart) {
     spawn_stock_recheck(&shard);
     spawn_activity_refresh(&shard);
     crate::scanner::spawn(&shard, shared.config.scanner);
+    crate::reconcile::spawn(&shard);
 
     // Shard 0 binds first and publishes the ports (port 0 in tests resolves to one port that
     // every shard then shares through SO_REUSEPORT).
@@ -318,6 +342,7 @@ pub async fn run(start: ShardStart) {
         glommio::spawn_local(conn::accept_loop(admin_shard, admin, conn::Plane::Admin)).detach();
         shared.started[id].store(true, Ordering::Relaxed);
         conn::accept_loop(Rc::clone(&shard), listener, conn::Plane::Public).await;
+        finish_in_flight(&shard).await;
         return;
     } else {
         loop {
@@ -335,12 +360,35 @@ pub async fn run(start: ShardStart) {
     match TcpListener::bind(addr) {
         Ok(listener) => {
             shared.started[id].store(true, Ordering::Relaxed);
-            conn::accept_loop(shard, listener, conn::Plane::Public).await;
+            conn::accept_loop(Rc::clone(&shard), listener, conn::Plane::Public).await;
+            finish_in_flight(&shard).await;
         }
         Err(e) => {
             tracing::error!(shard = id, error = %e, %addr, "bind failed");
             shared.stopping.store(true, Ordering::Relaxed);
         }
+    }
+}
+
+/// Longest a stopping shard waits for requests in flight (each is bounded by its own Redis
+/// and publish deadlines, well under this).
+const STOP_WAIT_MS: u64 = 5_000;
+
+/// Graceful stop: the listeners are closed; answer every request already being worked on —
+/// on every shard, since this shard may own SKUs whose submits others still forward — before
+/// the executor (and every task on it) ends. Idle keep-alive connections are simply closed.
+async fn finish_in_flight(shard: &Shard) {
+    let deadline = std::time::Instant::now() + Duration::from_millis(STOP_WAIT_MS);
+    while shard.shared.metrics.requests_in_flight() > 0 {
+        if std::time::Instant::now() > deadline {
+            tracing::warn!(
+                shard = shard.id,
+                in_flight = shard.shared.metrics.requests_in_flight(),
+                "stopping with requests still in flight"
+            );
+            return;
+        }
+        glommio::timer::sleep(Duration::from_millis(2)).await;
     }
 }
 
@@ -358,8 +406,11 @@ fn spawn_mesh_receivers(shard: &Rc<Shard>, receivers: Receivers<MeshMsg>) {
                     MeshMsg::Replica(update) => shard.apply_replica(&update),
                     MeshMsg::Submit(forwarded) => {
                         let shard = Rc::clone(&shard);
+                        let in_flight = &shard.metrics().requests_in_flight;
+                        in_flight.fetch_add(1, Ordering::Relaxed);
                         glommio::spawn_local(async move {
                             submit::owner_forwarded(&shard, *forwarded).await;
+                            shard.metrics().requests_in_flight.fetch_sub(1, Ordering::Relaxed);
                         })
                         .detach();
                     }

@@ -27,8 +27,9 @@ use futures::channel::oneshot;
 
 use super::conn::RequestCtx;
 use super::{now_ms, Shard};
+use crate::admission::{decide_submit, AdmissionInput, Decision};
 use crate::api::{self, PayloadHash};
-use crate::circuit::{Admit, CallOutcome, CircuitState};
+use crate::circuit::{Admit, CallOutcome};
 use crate::durable::{DurableError, DurableRequest};
 use crate::http::{write_response, Request, ResponseHead, StateBody, Status};
 use crate::ids::UserId;
@@ -275,11 +276,18 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
         }
         SubmitPlan::CallRedis(permit) => permit,
     };
-    // The log cannot confirm new reservations: close submissions before reserving anything.
-    if shard.publish_circuit.borrow().state(now) == CircuitState::Open {
+    // Fail closed before reserving anything: modes, the log, the backlog, PostgreSQL, Redis,
+    // this shard's in-flight (admission.rs).
+    if let Decision::Reject { outcome, retry_after_ms, reason } = admit(shard, s.key, now) {
         shard.with_partition(s.key, |p| p.release(permit));
-        return SubmitAnswer::retry(SubmitOutcome::SubmitClosed, shard.config().busy_retry_ms);
+        shard.metrics().count_admission_reject(reason);
+        tracing::debug!(reason, "submission not admitted");
+        return SubmitAnswer {
+            reason_code: Some(Cow::Borrowed(reason)),
+            ..SubmitAnswer::retry(outcome, retry_after_ms)
+        };
     }
+    let _in_flight = InFlight::enter(shard);
     let redis_call = match shard.redis_circuit.borrow_mut().allow(now) {
         Admit::Call(call) => call,
         Admit::Reject { retry_after_ms } => {
@@ -330,6 +338,8 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
         (_, Some(answer)) => return answer,
         (_, None) => return SubmitAnswer::of(SubmitOutcome::Unknown),
     }
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("after_reserve_created");
     // CREATED: publish the order-create message (same ids forever after).
     let message = OrderCreate {
         schema_version: SCHEMA_VERSION,
@@ -361,6 +371,39 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
         } else {
             SubmitOutcome::QueuedPending
         })
+    }
+}
+
+/// `decide_submit` over this shard's view of the world.
+fn admit(shard: &Shard, key: SkuKey, now: u64) -> Decision {
+    let shared = &shard.shared;
+    let mode = shard.modes.borrow_mut().effective(&shared.modes, key.activity_id, key.sku_id, now);
+    let input = AdmissionInput {
+        mode,
+        redis: shard.redis_circuit.borrow().state(now),
+        log_publish: shard.publish_circuit.borrow().state(now),
+        backlog: shared.health.backlog(),
+        pg_outage_age_ms: shared.health.pg_outage_age_ms(now),
+        in_flight: shard.submits_in_flight.get(),
+        in_flight_max: shard.config().submit_in_flight_max,
+        draw: rand::random(),
+    };
+    decide_submit(&input, &shard.config().admission, now)
+}
+
+/// Counts an owner-side submission from admission to its answer.
+struct InFlight<'a>(&'a Shard);
+
+impl<'a> InFlight<'a> {
+    fn enter(shard: &'a Shard) -> InFlight<'a> {
+        shard.submits_in_flight.set(shard.submits_in_flight.get() + 1);
+        InFlight(shard)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.submits_in_flight.set(self.0.submits_in_flight.get().saturating_sub(1));
     }
 }
 
@@ -485,6 +528,8 @@ pub(crate) async fn publish_and_mark(
     if !published {
         return false;
     }
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("after_publish_ack");
     let mark = MarkSentArgs {
         reservation_id: &reservation_id,
         request_id: &request_id,

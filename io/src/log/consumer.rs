@@ -171,6 +171,15 @@ impl Delivery {
             .map_err(|e| LogError::Ack { kind: "nak", message: e.to_string() })
     }
 
+    /// Still working on it: restarts the server's ack wait (a batch held while the database
+    /// is away keeps its messages instead of having them redelivered elsewhere).
+    pub async fn in_progress(&self) -> Result<(), LogError> {
+        self.message
+            .ack_with(AckKind::Progress)
+            .await
+            .map_err(|e| LogError::Ack { kind: "in-progress", message: e.to_string() })
+    }
+
     /// Never: stop redelivering (after a dead letter was written).
     pub async fn term(&self) -> Result<(), LogError> {
         self.message

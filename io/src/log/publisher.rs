@@ -59,15 +59,18 @@ impl Publisher {
     /// Publishes an order-create message to `seckill.order.create` with
     /// `Nats-Msg-Id = message_id` (the edge's call, from its tokio side).
     pub async fn publish_order(&self, message: &OrderCreate) -> Result<PublishAck, LogError> {
+        self.publish_order_as(message, &message.message_id).await
+    }
+
+    /// [`Publisher::publish_order`] under another `Nats-Msg-Id` (the scanner's republish of a
+    /// message the log already acknowledged, which the duplicate window must not swallow).
+    pub async fn publish_order_as(
+        &self,
+        message: &OrderCreate,
+        msg_id: &str,
+    ) -> Result<PublishAck, LogError> {
         let body = Bytes::from(message.encode());
-        self.publish(
-            ORDER_CREATE_SUBJECT,
-            &message.message_id,
-            message.traceparent.as_deref(),
-            &[],
-            body,
-        )
-        .await
+        self.publish(ORDER_CREATE_SUBJECT, msg_id, message.traceparent.as_deref(), &[], body).await
     }
 
     /// Publishes an outbox event to `seckill.event.<type>` with `Nats-Msg-Id = evt_<event_id>`.

@@ -85,6 +85,7 @@ impl Stack {
             lag_poll_ms: 100,
             error_pause_ms: 50,
             shutdown_timeout_ms: 10_000,
+            closer: Default::default(),
         }
     }
 

@@ -1,0 +1,440 @@
+//! The order lifecycle after creation (DESIGN.md sections 6 and 8; CONTRACT.md 3.4): payment
+//! callbacks, the buyer's cancel, the order timeout closer, and the order read the API needs.
+//!
+//! What it is: thin typed drivers around the PL/pgSQL functions of
+//! `migrations/0003_payments.sql` (read its header for the state machine). Each business call
+//! is ONE statement, hence one transaction per order: the conditional state change, the unit's
+//! release or sale, the ledger row and the outbox event commit together or not at all.
+//! Outcomes are values ([`CallbackOutcome`], [`ReleaseOutcome`]), never errors; `PgError` is
+//! left for the database failing.
+//!
+//! - [`apply_callback`]: idempotent by `payment_id`; PAID wins over a cancel or the closer
+//!   only when it locks the order first; a PAID that comes after them is recorded as
+//!   [`CallbackOutcome::RefundNeeded`] and never resurrects the order.
+//! - [`cancel_order`]: the owner's cancel of an unpaid order (waits for the row lock, so
+//!   against a racing PAID exactly one of the two wins).
+//! - [`close_due_orders`]: one bounded round of the closer: candidates past their activity's
+//!   `pay_timeout_ms` that are authoritatively unpaid, each closed in its own transaction with
+//!   `FOR UPDATE SKIP LOCKED` (several closers, or a callback in flight, never wait on each
+//!   other). `PAYMENT_UNKNOWN` orders are never candidates: unknown keeps its stock.
+//! - [`mark_payment_unknown`]: a provider timeout (the payment's fate cannot be learnt now)
+//!   moves a PENDING_PAYMENT order to PAYMENT_UNKNOWN, so the closer keeps its unit.
+//!
+//! What it is not: HTTP or signature checking (`engine::shard::orders`), the periodic loop
+//! (`worker.rs`), Redis (the `order_cancelled` event is applied by `redis-sync`).
+//!
+//! Metrics (no ids as labels): `flashsale_payment_callbacks_total{outcome}`,
+//! `flashsale_orders_released_total{kind=cancel|close}`.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio_postgres::Client;
+
+use crate::error::PgError;
+
+/// Statuses a provider may report that are authoritative about money (CONTRACT.md 3.4). Any
+/// other status string that arrives signed is treated as "payment unknown".
+pub const AUTHORITATIVE_STATUSES: [&str; 3] = ["PAID", "FAILED", "CLOSED"];
+
+/// Largest closer batch: one round stays a few hundred short transactions.
+pub const CLOSE_BATCH_MAX: usize = 1024;
+
+const CALLBACK_SQL: &str = "\
+    SELECT r_outcome, r_order_status, r_replayed \
+    FROM flashsale_payment_callback($1, $2, $3, $4, $5)";
+
+const RELEASE_SQL: &str = "\
+    SELECT r_outcome, r_status FROM flashsale_order_release($1, $2, $3, $4, $5)";
+
+/// Candidates of one closer round: unpaid orders past their activity's pay timeout at `$1`,
+/// oldest first. The first bound (`created_at` older than the shortest pay timeout of any
+/// activity) lets `orders_pending_payment_idx` stop the scan early; the per-activity bound and
+/// the payment check are then filters. The function re-checks all of it under the row lock.
+const CLOSE_CANDIDATES_SQL: &str = "\
+    SELECT o.order_id FROM orders o \
+    JOIN activity a ON a.activity_id = o.activity_id \
+    WHERE o.status = 'PENDING_PAYMENT' \
+      AND o.created_at <= $1::timestamptz \
+          - (SELECT coalesce(min(pay_timeout_ms), 0) FROM activity) * interval '1 millisecond' \
+      AND o.created_at + a.pay_timeout_ms * interval '1 millisecond' <= $1::timestamptz \
+      AND NOT EXISTS (SELECT 1 FROM payment p WHERE p.order_id = o.order_id AND p.status = 'PAID') \
+    ORDER BY o.created_at LIMIT $2";
+
+const FIND_ORDER_SQL: &str = "\
+    SELECT o.order_id, o.activity_id, o.sku_id, o.user_id, o.status, o.amount_cents, \
+           o.reservation_id, o.request_id, \
+           (extract(epoch FROM o.created_at) * 1000)::bigint, \
+           (extract(epoch FROM o.updated_at) * 1000)::bigint, \
+           (extract(epoch FROM o.created_at) * 1000)::bigint + a.pay_timeout_ms \
+    FROM orders o JOIN activity a ON a.activity_id = o.activity_id \
+    WHERE o.order_id = $1 AND o.activity_id = $2 AND o.user_id = $3";
+
+const MARK_UNKNOWN_SQL: &str = "\
+    UPDATE orders SET status = 'PAYMENT_UNKNOWN', updated_at = now() \
+    WHERE order_id = $1 AND status = 'PENDING_PAYMENT'";
+
+// ---------------------------------------------------------------------------------------------
+// Payment callbacks
+// ---------------------------------------------------------------------------------------------
+
+/// A verified provider callback (the signature was checked by the caller).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PaymentCallback {
+    pub payment_id: String,
+    pub order_id: String,
+    /// As sent: `PAID`, `FAILED`, `CLOSED`, or anything else (→ payment unknown).
+    pub status: String,
+    pub amount_cents: i64,
+}
+
+/// What a callback did (see `flashsale_payment_callback` in migration 0003).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallbackOutcome {
+    /// The order is now PAID (token SOLD, ledger SELL, `order_paid` event).
+    Paid,
+    /// FAILED/CLOSED recorded: the order is authoritatively unpaid.
+    Unpaid,
+    /// Money arrived for an order that no longer takes it (CANCELLED, CLOSED, paid by another
+    /// payment) or that is unknown: recorded, the order untouched; the money must be refunded.
+    RefundNeeded,
+    /// PAID with another amount than the order's: recorded, order PAYMENT_UNKNOWN (unit kept).
+    AmountMismatch,
+    /// A status that says nothing authoritative; the order (if PENDING_PAYMENT) is now
+    /// PAYMENT_UNKNOWN and keeps its unit.
+    PaymentUnknown,
+    /// This `payment_id` was recorded with another order, status or amount: nothing done.
+    PaymentConflict,
+}
+
+impl CallbackOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallbackOutcome::Paid => "PAID",
+            CallbackOutcome::Unpaid => "UNPAID",
+            CallbackOutcome::RefundNeeded => "REFUND_NEEDED",
+            CallbackOutcome::AmountMismatch => "AMOUNT_MISMATCH",
+            CallbackOutcome::PaymentUnknown => "PAYMENT_UNKNOWN",
+            CallbackOutcome::PaymentConflict => "PAYMENT_CONFLICT",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<CallbackOutcome> {
+        [
+            CallbackOutcome::Paid,
+            CallbackOutcome::Unpaid,
+            CallbackOutcome::RefundNeeded,
+            CallbackOutcome::AmountMismatch,
+            CallbackOutcome::PaymentUnknown,
+            CallbackOutcome::PaymentConflict,
+        ]
+        .into_iter()
+        .find(|o| o.as_str() == text)
+    }
+
+    /// Whether the provider should be told the money has to go back.
+    pub fn refund_needed(self) -> bool {
+        matches!(self, CallbackOutcome::RefundNeeded)
+    }
+}
+
+/// The answer to one callback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallbackResult {
+    pub outcome: CallbackOutcome,
+    /// The order's status afterwards; `None` when the order is unknown.
+    pub order_status: Option<String>,
+    /// The same callback was applied before: `outcome` is the recorded one, nothing changed.
+    pub replayed: bool,
+}
+
+/// Applies one verified callback (one transaction). Idempotent by `payment_id`: the same
+/// callback again returns the first outcome with `replayed`, a different body for the same id
+/// returns [`CallbackOutcome::PaymentConflict`].
+pub async fn apply_callback(
+    client: &Client,
+    callback: &PaymentCallback,
+    now_ms: u64,
+) -> Result<CallbackResult, PgError> {
+    if callback.amount_cents < 0 {
+        return Err(PgError::InvalidArgument("amount_cents must not be negative"));
+    }
+    let row = client
+        .query_one(
+            CALLBACK_SQL,
+            &[
+                &callback.payment_id,
+                &callback.order_id,
+                &callback.status,
+                &callback.amount_cents,
+                &system_time(now_ms),
+            ],
+        )
+        .await?;
+    let outcome_text: Option<String> = row.try_get(0)?;
+    // NULL only for a replay of a row whose outcome was never written, which the function
+    // makes impossible (written before COMMIT); report it as the conflict it would be.
+    let outcome = outcome_text
+        .as_deref()
+        .and_then(CallbackOutcome::parse)
+        .unwrap_or(CallbackOutcome::PaymentConflict);
+    let result =
+        CallbackResult { outcome, order_status: row.try_get(1)?, replayed: row.try_get(2)? };
+    if !result.replayed {
+        metrics::counter!("flashsale_payment_callbacks_total", "outcome" => outcome.as_str())
+            .increment(1);
+    }
+    if result.outcome.refund_needed() && !result.replayed {
+        tracing::warn!(
+            payment_id = %callback.payment_id,
+            order_id = %callback.order_id,
+            order_status = result.order_status.as_deref().unwrap_or("unknown"),
+            "payment received for an order that does not take it: refund needed"
+        );
+    }
+    Ok(result)
+}
+
+/// A provider timeout: the payment's fate is unknown. A PENDING_PAYMENT order becomes
+/// PAYMENT_UNKNOWN (the closer then keeps its unit); returns whether it changed.
+pub async fn mark_payment_unknown(client: &Client, order_id: &str) -> Result<bool, PgError> {
+    Ok(client.execute(MARK_UNKNOWN_SQL, &[&order_id]).await? == 1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cancel and close
+// ---------------------------------------------------------------------------------------------
+
+/// What a cancel or close attempt found (see `flashsale_order_release` in migration 0003).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// Done: the order is CANCELLED/CLOSED, its unit released, ledger and event written.
+    Released,
+    /// No such order (cancel: or not this buyer's in this activity).
+    NotFound,
+    /// Close only: another transaction holds the order now; looked at again next round.
+    Busy,
+    /// The order is not PENDING_PAYMENT; its status.
+    NotPending { status: String },
+    /// A PAID payment is recorded for it: never released.
+    PaidRecorded,
+    /// Close only: not past its pay timeout yet.
+    NotDue,
+}
+
+/// The buyer's cancel of an unpaid order (one transaction). The order must belong to
+/// (`activity_id`, `user_id`), else [`ReleaseOutcome::NotFound`] (someone else's order is
+/// indistinguishable from none).
+pub async fn cancel_order(
+    client: &Client,
+    order_id: &str,
+    activity_id: i64,
+    user_id: i64,
+    now_ms: u64,
+) -> Result<ReleaseOutcome, PgError> {
+    let outcome = release(client, order_id, "CANCEL", activity_id, user_id, now_ms).await?;
+    if outcome == ReleaseOutcome::Released {
+        metrics::counter!("flashsale_orders_released_total", "kind" => "cancel").increment(1);
+        tracing::info!(order_id, "order cancelled by its buyer");
+    }
+    Ok(outcome)
+}
+
+async fn release(
+    client: &Client,
+    order_id: &str,
+    kind: &str,
+    activity_id: i64,
+    user_id: i64,
+    now_ms: u64,
+) -> Result<ReleaseOutcome, PgError> {
+    let row = client
+        .query_one(RELEASE_SQL, &[&order_id, &kind, &activity_id, &user_id, &system_time(now_ms)])
+        .await?;
+    let outcome: String = row.try_get(0)?;
+    let status: Option<String> = row.try_get(1)?;
+    Ok(match outcome.as_str() {
+        "RELEASED" => ReleaseOutcome::Released,
+        "NOT_FOUND" => ReleaseOutcome::NotFound,
+        "BUSY" => ReleaseOutcome::Busy,
+        "NOT_PENDING" => ReleaseOutcome::NotPending { status: status.unwrap_or_default() },
+        "PAID_RECORDED" => ReleaseOutcome::PaidRecorded,
+        "NOT_DUE" => ReleaseOutcome::NotDue,
+        _ => return Err(PgError::InvalidArgument("unknown flashsale_order_release outcome")),
+    })
+}
+
+/// The closer's settings (part of `WorkerConfig`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloserConfig {
+    /// Pause between rounds when the last one was not full. A closed order's unit is back on
+    /// sale within about this much after its pay timeout.
+    pub interval_ms: u64,
+    /// Orders looked at per round (1..=[`CLOSE_BATCH_MAX`]).
+    pub batch_max: usize,
+}
+
+impl Default for CloserConfig {
+    fn default() -> CloserConfig {
+        // Pay timeouts are minutes; a second of lateness is noise, and a round that finds
+        // nothing costs one index probe.
+        CloserConfig { interval_ms: 1_000, batch_max: 128 }
+    }
+}
+
+impl CloserConfig {
+    pub fn validate(&self) -> Result<(), PgError> {
+        if self.interval_ms == 0 {
+            return Err(PgError::Config("closer.interval_ms must be positive".into()));
+        }
+        if !(1..=CLOSE_BATCH_MAX).contains(&self.batch_max) {
+            return Err(PgError::Config(format!(
+                "closer.batch_max {} must be within 1..={CLOSE_BATCH_MAX}",
+                self.batch_max
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What one closer round did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CloseRound {
+    /// Candidates the scan returned (at most the batch).
+    pub candidates: usize,
+    /// Order ids closed by this round, in the order they were closed.
+    pub closed: Vec<String>,
+    /// Candidates left alone: locked by someone, paid or cancelled meanwhile, not due.
+    pub skipped: usize,
+    /// Candidates whose transaction failed permanently (logged; the rest still closed).
+    pub failed: usize,
+}
+
+/// One bounded closer round at `now_ms` (see the module documentation). A transient error
+/// ends the round with `Err` (the caller pauses and retries); a permanent error on one order
+/// is logged and counted, so one bad row cannot stop the others from closing.
+pub async fn close_due_orders(
+    client: &Client,
+    batch_max: usize,
+    now_ms: u64,
+) -> Result<CloseRound, PgError> {
+    if !(1..=CLOSE_BATCH_MAX).contains(&batch_max) {
+        return Err(PgError::InvalidArgument("batch_max must be within 1..=CLOSE_BATCH_MAX"));
+    }
+    let limit = batch_max as i64;
+    let rows = client.query(CLOSE_CANDIDATES_SQL, &[&system_time(now_ms), &limit]).await?;
+    let mut round = CloseRound { candidates: rows.len(), ..CloseRound::default() };
+    for row in rows {
+        let order_id: String = row.try_get(0)?;
+        match release(client, &order_id, "CLOSE", 0, 0, now_ms).await {
+            Ok(ReleaseOutcome::Released) => {
+                metrics::counter!("flashsale_orders_released_total", "kind" => "close")
+                    .increment(1);
+                tracing::info!(order_id = %order_id, "unpaid order closed after its pay timeout");
+                round.closed.push(order_id);
+            }
+            Ok(_) => round.skipped += 1,
+            Err(e) if e.is_transient() => return Err(e),
+            Err(e) => {
+                round.failed += 1;
+                tracing::error!(order_id = %order_id, error = %e, "closing an order failed");
+            }
+        }
+    }
+    Ok(round)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading an order
+// ---------------------------------------------------------------------------------------------
+
+/// An order as its buyer sees it (`GET /v1/orders/{order_id}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderView {
+    pub order_id: String,
+    pub activity_id: i64,
+    pub sku_id: i64,
+    pub user_id: i64,
+    pub status: String,
+    pub amount_cents: Option<i64>,
+    pub reservation_id: String,
+    pub request_id: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    /// When the closer may close it if unpaid (`created_at` + the activity's pay timeout).
+    pub pay_deadline_ms: i64,
+}
+
+/// The order if it belongs to (`activity_id`, `user_id`); `None` otherwise (someone else's
+/// order is indistinguishable from none).
+pub async fn find_order(
+    client: &Client,
+    order_id: &str,
+    activity_id: i64,
+    user_id: i64,
+) -> Result<Option<OrderView>, PgError> {
+    let Some(row) = client.query_opt(FIND_ORDER_SQL, &[&order_id, &activity_id, &user_id]).await?
+    else {
+        return Ok(None);
+    };
+    Ok(Some(OrderView {
+        order_id: row.try_get(0)?,
+        activity_id: row.try_get(1)?,
+        sku_id: row.try_get(2)?,
+        user_id: row.try_get(3)?,
+        status: row.try_get(4)?,
+        amount_cents: row.try_get(5)?,
+        reservation_id: row.try_get(6)?,
+        request_id: row.try_get(7)?,
+        created_at_ms: row.try_get(8)?,
+        updated_at_ms: row.try_get(9)?,
+        pay_deadline_ms: row.try_get(10)?,
+    }))
+}
+
+fn system_time(unix_ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(unix_ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn callback_outcomes_round_trip_their_text() {
+        for outcome in [
+            CallbackOutcome::Paid,
+            CallbackOutcome::Unpaid,
+            CallbackOutcome::RefundNeeded,
+            CallbackOutcome::AmountMismatch,
+            CallbackOutcome::PaymentUnknown,
+            CallbackOutcome::PaymentConflict,
+        ] {
+            assert_eq!(CallbackOutcome::parse(outcome.as_str()), Some(outcome));
+        }
+        assert_eq!(CallbackOutcome::parse("paid"), None);
+        assert!(CallbackOutcome::RefundNeeded.refund_needed());
+        assert!(!CallbackOutcome::Paid.refund_needed());
+    }
+
+    #[test]
+    fn closer_config_bounds() {
+        CloserConfig::default().validate().expect("default");
+        assert!(CloserConfig { interval_ms: 0, ..Default::default() }.validate().is_err());
+        assert!(CloserConfig { batch_max: 0, ..Default::default() }.validate().is_err());
+        assert!(CloserConfig { batch_max: CLOSE_BATCH_MAX + 1, ..Default::default() }
+            .validate()
+            .is_err());
+    }
+
+    #[test]
+    fn the_sql_outcomes_match_the_migration() {
+        let migration = include_str!("../migrations/0003_payments.sql");
+        for outcome in ["RELEASED", "NOT_FOUND", "BUSY", "NOT_PENDING", "PAID_RECORDED", "NOT_DUE"]
+        {
+            assert!(migration.contains(&format!("'{outcome}'")), "{outcome}");
+        }
+        for outcome in ["PAID", "UNPAID", "REFUND_NEEDED", "AMOUNT_MISMATCH", "PAYMENT_UNKNOWN"] {
+            assert!(migration.contains(&format!("'{outcome}'")), "{outcome}");
+        }
+    }
+}
