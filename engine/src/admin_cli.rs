@@ -152,7 +152,7 @@ pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8
     let overrides = Overrides { admin_addr: args.admin_addr.clone(), ..Overrides::default() };
     let config = Config::load(args.config.as_deref(), env, &overrides, &args.stack_dir)?;
     let client = AdminClient {
-        addr: reachable(config.admin_addr),
+        addr: crate::serve::loopback(config.admin_addr),
         token: args.token.clone().or(config.admin_token),
         timeout: Duration::from_secs(args.timeout_s.max(1)),
     };
@@ -239,20 +239,6 @@ fn mode(
         bail!("the engine refused the mode ({})", answer.status);
     }
     Ok(0)
-}
-
-/// A wildcard listen address is reached through loopback.
-fn reachable(addr: SocketAddr) -> SocketAddr {
-    if addr.ip().is_unspecified() {
-        let ip = if addr.is_ipv4() {
-            std::net::IpAddr::from([127, 0, 0, 1])
-        } else {
-            std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
-        };
-        SocketAddr::new(ip, addr.port())
-    } else {
-        addr
-    }
 }
 
 /// One answer of the admin API.
@@ -433,7 +419,13 @@ mod tests {
 
     #[test]
     fn wildcard_addresses_are_reached_on_loopback() {
-        assert_eq!(reachable("0.0.0.0:9090".parse().unwrap()), "127.0.0.1:9090".parse().unwrap());
-        assert_eq!(reachable("10.0.0.1:1".parse().unwrap()), "10.0.0.1:1".parse().unwrap());
+        assert_eq!(
+            crate::serve::loopback("0.0.0.0:9090".parse().unwrap()),
+            "127.0.0.1:9090".parse().unwrap()
+        );
+        assert_eq!(
+            crate::serve::loopback("10.0.0.1:1".parse().unwrap()),
+            "10.0.0.1:1".parse().unwrap()
+        );
     }
 }

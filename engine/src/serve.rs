@@ -189,7 +189,7 @@ impl ServeHandle {
 }
 
 /// A bound wildcard address (0.0.0.0 / ::) is reached through loopback.
-fn loopback(addr: SocketAddr) -> SocketAddr {
+pub fn loopback(addr: SocketAddr) -> SocketAddr {
     if addr.ip().is_unspecified() {
         let ip = if addr.is_ipv4() {
             std::net::IpAddr::from([127, 0, 0, 1])

@@ -492,6 +492,23 @@ pub fn small_worker(config: &ServeConfig) -> flashsale_pg_worker::worker::Worker
     worker
 }
 
+/// The `state` field of an answer (`""` when absent).
+pub fn state(v: &serde_json::Value) -> &str {
+    v["state"].as_str().unwrap_or("")
+}
+
+/// Polls `f` every 50 ms until it holds; panics naming `what` after `timeout_ms`.
+pub fn wait_for_ms(what: &str, timeout_ms: u64, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms);
+    while std::time::Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("timed out after {timeout_ms} ms waiting for {what}");
+}
+
 /// A synchronous Redis command through redis-cli (test-only inspection of a private Redis).
 pub fn redis_cmd(redis: &PrivateRedis, args: &[&str]) -> String {
     let out = std::process::Command::new("redis-cli")

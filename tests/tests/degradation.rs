@@ -6,14 +6,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use flashsale_engine::modes::{sign, ControlKey, Mode, ModeSnapshot, Scope};
-use flashsale_tests::{redis_cmd, small_worker, Engine, HttpClient, TestDb};
+use flashsale_tests::{redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient, TestDb};
 
 const CONTROL: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 const OTHER_KEY: &str = "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100";
-
-fn state(v: &serde_json::Value) -> &str {
-    v["state"].as_str().unwrap_or("")
-}
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
@@ -50,17 +46,6 @@ fn metric(text: &str, prefix: &str) -> u64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("metric {prefix} missing"))
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out after {timeout:?} waiting for {what}");
 }
 
 fn stock(engine: &Engine, a: u64, s: u64) -> i64 {
@@ -177,7 +162,7 @@ fn modes_reach_every_instance_through_the_bucket_persist_and_expire() {
     assert_eq!(status, 200, "{v}");
     let mut user = 10;
     let mut reserved = 1;
-    wait_for("instance B closes", Duration::from_secs(5), || {
+    wait_for_ms("instance B closes", 5_000, || {
         user += 1;
         let (_, v) = engine.submit(&mut cb, user, 211, 212, &format!("r-{user}"));
         if state(&v) == "QUEUED" {
@@ -272,7 +257,7 @@ fn postgres_outage_closes_submissions_and_the_backlog_drains_without_duplicates(
 
     pg.restart();
     let restarted_at = Instant::now();
-    wait_for("submissions reopen", Duration::from_secs(60), || {
+    wait_for_ms("submissions reopen", 60_000, || {
         user += 1;
         let id = format!("pg-{user}");
         let (_, v) = engine.submit(&mut c, user, 221, 222, &id);
@@ -287,7 +272,7 @@ fn postgres_outage_closes_submissions_and_the_backlog_drains_without_duplicates(
     eprintln!("submissions reopened {:?} after PostgreSQL restarted", restarted_at.elapsed());
     // Every queued buyer gets exactly one order.
     for (user, id) in &queued {
-        wait_for("the backlog drains", Duration::from_secs(60), || {
+        wait_for_ms("the backlog drains", 60_000, || {
             let (_, v) = engine.query(&mut c, *user, 221, 222, id);
             assert_ne!(state(&v), "FAILED", "{v}");
             state(&v) == "SUCCEEDED"
@@ -348,14 +333,14 @@ fn sigterm_under_load_loses_and_duplicates_nothing() {
     engine.restart_with(|c| c.worker = Some(small_worker(c)));
     let mut c = HttpClient::connect(engine.http());
     for (user, id, _) in &taken {
-        wait_for("every queued request becomes an order", Duration::from_secs(60), || {
+        wait_for_ms("every queued request becomes an order", 60_000, || {
             let (_, v) = engine.query(&mut c, *user, 231, 232, id);
             assert_ne!(state(&v), "FAILED", "{v}");
             state(&v) == "SUCCEEDED"
         });
     }
     engine.assert_invariants(231, 232);
-    wait_for("Redis settles", Duration::from_secs(20), || {
+    wait_for_ms("Redis settles", 20_000, || {
         redis_cmd(&engine.redis, &["ZCARD", "seckill:{231:232}:resv:pending"]) == "0"
     });
     assert_eq!(stock(&engine, 231, 232), 300 - taken.len() as i64, "Redis conservation");
@@ -368,7 +353,7 @@ fn redis_killed_fails_closed_within_a_second_and_postgres_answers_queries() {
     let mut c = HttpClient::connect(engine.http());
     let (status, queued) = engine.submit(&mut c, 1, 241, 242, "k-1");
     assert_eq!((status, state(&queued)), (202, "QUEUED"), "{queued}");
-    wait_for("the order", Duration::from_secs(20), || {
+    wait_for_ms("the order", 20_000, || {
         state(&engine.query(&mut c, 1, 241, 242, "k-1").1) == "SUCCEEDED"
     });
 

@@ -4,11 +4,7 @@
 
 use std::time::Duration;
 
-use flashsale_tests::{redis_cmd, Engine, HttpClient};
-
-fn state(v: &serde_json::Value) -> &str {
-    v["state"].as_str().unwrap_or("")
-}
+use flashsale_tests::{redis_cmd, state, wait_for_ms, Engine, HttpClient};
 
 fn metric(text: &str, line_prefix: &str) -> u64 {
     text.lines()
@@ -278,17 +274,6 @@ fn stream_messages(engine: &Engine, stream: &str) -> u64 {
         let mut s = js.get_stream(stream).await.unwrap();
         s.info().await.unwrap().state.messages
     })
-}
-
-fn wait_for_ms(what: &str, timeout_ms: u64, mut f: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_millis(timeout_ms);
-    while std::time::Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out after {timeout_ms} ms waiting for {what}");
 }
 
 #[test]

@@ -23,7 +23,9 @@ use flashsale_pg_worker::payments::{
     CallbackOutcome, PaymentCallback, ReleaseOutcome,
 };
 use flashsale_pg_worker::{build_pool, write_batch, PgPoolConfig, WriteOutcome};
-use flashsale_tests::{pg_database, redis_cmd, small_worker, Engine, HttpClient, TestDb};
+use flashsale_tests::{
+    pg_database, redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient, TestDb,
+};
 use pipeline_support::{connect, count, message, now_ms, seed_sku};
 use tokio_postgres::Client;
 
@@ -470,21 +472,6 @@ async fn release_policies_and_the_row_allocator() {
 // End to end
 // ---------------------------------------------------------------------------------------------
 
-fn state(v: &serde_json::Value) -> &str {
-    v["state"].as_str().unwrap_or("")
-}
-
-fn wait_for(what: &str, timeout_ms: u64, mut f: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_millis(timeout_ms);
-    while std::time::Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out after {timeout_ms} ms waiting for {what}");
-}
-
 fn engine_with_worker(tune: impl FnOnce(&mut flashsale_pg_worker::WorkerConfig)) -> Engine {
     Engine::start_with(|c| {
         let mut worker = small_worker(c);
@@ -513,7 +500,7 @@ fn order_for(engine: &Engine, c: &mut HttpClient, user: u64, activity: u64, sku:
     let (status, queued) = engine.submit(c, user, activity, sku, &request_id);
     assert_eq!((status, state(&queued)), (202, "QUEUED"), "{queued}");
     let mut order_id = String::new();
-    wait_for("order created", 10_000, || {
+    wait_for_ms("order created", 10_000, || {
         let (_, v) = engine.query(c, user, activity, sku, &request_id);
         order_id = v["order_id"].as_str().unwrap_or("").to_string();
         state(&v) == "SUCCEEDED"
@@ -635,9 +622,9 @@ fn cancel_over_http_returns_redis_stock_exactly_once() {
     assert_eq!((status, state(&v)), (200, "CANCELLED"), "{v}");
     let (status, v) = cancel(&engine, &mut c, 1, a, &o1);
     assert_eq!((status, state(&v), v["replayed"].as_bool()), (200, "CANCELLED", Some(true)));
-    wait_for("stock returned", 10_000, || stock(&engine, a, s) == "1");
-    wait_for("outbox drained", 10_000, || outbox_drained(&engine));
-    wait_for("redis-sync idle", 10_000, || redis_sync_idle(&engine));
+    wait_for_ms("stock returned", 10_000, || stock(&engine, a, s) == "1");
+    wait_for_ms("outbox drained", 10_000, || outbox_drained(&engine));
+    wait_for_ms("redis-sync idle", 10_000, || redis_sync_idle(&engine));
     // The reservation's query now says why it ended; the buyer stays marked (one per buyer).
     let (_, q) = engine.query(&mut c, 1, a, s, "pay-1");
     assert_eq!((state(&q), q["reason_code"].as_str()), ("FAILED", Some("ORDER_CANCELLED")));
@@ -657,8 +644,8 @@ fn cancel_over_http_returns_redis_stock_exactly_once() {
             .await
             .unwrap();
     });
-    wait_for("outbox drained", 10_000, || outbox_drained(&engine));
-    wait_for("redis-sync idle", 10_000, || redis_sync_idle(&engine));
+    wait_for_ms("outbox drained", 10_000, || outbox_drained(&engine));
+    wait_for_ms("redis-sync idle", 10_000, || redis_sync_idle(&engine));
     assert_eq!(stock(&engine, a, s), "1", "stock returned once");
 
     // The returned unit sells again, to a new buyer, from the token put back on sale.
@@ -715,8 +702,8 @@ fn payment_callbacks_over_http() {
         (200, "REFUND_NEEDED", Some(true))
     );
     // A paid order's stock stays sold.
-    wait_for("outbox drained", 10_000, || outbox_drained(&engine));
-    wait_for("redis-sync idle", 10_000, || redis_sync_idle(&engine));
+    wait_for_ms("outbox drained", 10_000, || outbox_drained(&engine));
+    wait_for_ms("redis-sync idle", 10_000, || redis_sync_idle(&engine));
     assert_eq!(stock(&engine, a, s), "1");
     engine_invariants(&engine, a as i64, s as i64);
     drop(engine);
@@ -746,13 +733,15 @@ fn the_worker_closes_unpaid_orders_and_keeps_unknown_ones() {
     );
     assert_eq!(stock(&engine, a, s), "0");
 
-    wait_for("closed", 20_000, || get_order(&engine, &mut c, 1, a, &unpaid).1["state"] == "CLOSED");
-    wait_for("stock returned", 10_000, || stock(&engine, a, s) == "1");
+    wait_for_ms("closed", 20_000, || {
+        get_order(&engine, &mut c, 1, a, &unpaid).1["state"] == "CLOSED"
+    });
+    wait_for_ms("stock returned", 10_000, || stock(&engine, a, s) == "1");
     // Well past the timeout, the unknown order still holds its unit.
     std::thread::sleep(Duration::from_millis(1_000));
     assert_eq!(get_order(&engine, &mut c, 2, a, &unknown).1["state"], "PAYMENT_UNKNOWN");
-    wait_for("outbox drained", 10_000, || outbox_drained(&engine));
-    wait_for("redis-sync idle", 10_000, || redis_sync_idle(&engine));
+    wait_for_ms("outbox drained", 10_000, || outbox_drained(&engine));
+    wait_for_ms("redis-sync idle", 10_000, || redis_sync_idle(&engine));
     assert_eq!(stock(&engine, a, s), "1", "only the closed order's unit came back");
     // A late PAID for the closed order: refund, no resurrection.
     let (_, v) = post_callback(&mut c, &callback_body(&key, "pay_late", &unpaid, "PAID", 5));

@@ -19,26 +19,10 @@
 //! its returned status into the exit code.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use flashsale_engine::admin_cli;
-use flashsale_tests::{redis_cmd, small_worker, Engine, HttpClient};
+use flashsale_tests::{redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient};
 use serde_json::Value;
-
-fn state(v: &Value) -> &str {
-    v["state"].as_str().unwrap_or("")
-}
-
-fn wait_for(what: &str, timeout_ms: u64, mut f: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_millis(timeout_ms);
-    while std::time::Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out after {timeout_ms} ms waiting for {what}");
-}
 
 /// `GET .../reconcile` over the admin API.
 fn report(engine: &Engine, activity: u64, sku: u64) -> (u16, Value) {
@@ -119,11 +103,13 @@ fn sale(engine: &Engine, activity: u64, sku: u64, buyers: u64) -> Vec<String> {
 
 /// Waits until PostgreSQL has `orders` orders and every outcome reached Redis.
 fn wait_settled(engine: &Engine, activity: u64, sku: u64, orders: i64) {
-    wait_for("orders in PostgreSQL", 20_000, || {
+    wait_for_ms("orders in PostgreSQL", 20_000, || {
         pg_i64(engine, "SELECT count(*) FROM orders") == orders
     });
     let pending = format!("seckill:{{{activity}:{sku}}}:resv:pending");
-    wait_for("outcomes in Redis", 20_000, || redis_cmd(&engine.redis, &["ZCARD", &pending]) == "0");
+    wait_for_ms("outcomes in Redis", 20_000, || {
+        redis_cmd(&engine.redis, &["ZCARD", &pending]) == "0"
+    });
 }
 
 fn ids(v: &Value) -> BTreeSet<String> {
@@ -182,7 +168,7 @@ fn a_clean_sale_reconciles_ok_with_exact_counts() {
 
     // The periodic job (every 300 ms here) saw the same: one ok SKU, every delta 0.
     let rounds = metric(&engine, "flashsale_reconcile_rounds_total").unwrap();
-    wait_for("two more periodic rounds", 10_000, || {
+    wait_for_ms("two more periodic rounds", 10_000, || {
         metric(&engine, "flashsale_reconcile_rounds_total").unwrap() >= rounds + 2
     });
     assert_eq!(metric(&engine, "flashsale_reconcile_skus{result=\"ok\"}"), Some(1));
@@ -240,7 +226,7 @@ fn a_reservation_deleted_from_redis_is_reported_with_its_id() {
     assert_eq!((status, &printed["ok"]), (1, &Value::Bool(false)));
     assert_eq!(ids(&printed["deltas"]["redis_conservation"]["ids"]["records_missing"]).len(), 1);
     let line = "flashsale_inventory_conservation_delta{kind=\"redis_conservation\"}";
-    wait_for("the periodic job to see the gap", 10_000, || metric(&engine, line) == Some(2));
+    wait_for_ms("the periodic job to see the gap", 10_000, || metric(&engine, line) == Some(2));
     assert_eq!(metric(&engine, "flashsale_reconcile_skus{result=\"not_ok\"}"), Some(1));
     // The report wrote nothing to Redis: the record is still gone.
     assert_eq!(redis_cmd(&engine.redis, &["EXISTS", &key]), "0");
@@ -300,7 +286,7 @@ fn flushall_mid_sale_is_reported_and_postgres_still_shows_no_oversell() {
     let mut c = HttpClient::connect(engine.http());
     let (_, after) = engine.submit(&mut c, 500, 91, 92, "after-flush");
     assert_eq!(state(&after), "ACTIVITY_NOT_ACTIVE", "no meta, no sale: {after}");
-    wait_for("every reservation final in PostgreSQL", 20_000, || {
+    wait_for_ms("every reservation final in PostgreSQL", 20_000, || {
         pg_i64(&engine, "SELECT count(*) FROM inventory_reservation WHERE status <> 'PROCESSING'")
             == 10
     });

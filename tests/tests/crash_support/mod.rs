@@ -28,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use flashsale_engine::auth::PassKeys;
 use flashsale_engine::ids::{ActivityId, UserId};
-use flashsale_engine::serve::{self, Pinning, ServeConfig};
+use flashsale_engine::serve;
 use flashsale_io::log::LogConfig;
 use flashsale_tests::{PrivateNats, PrivateRedis, TestDb, KEYS};
 use serde_json::Value;
@@ -93,29 +93,15 @@ pub fn child_main() {
         })
         .unwrap();
     }
-    let mut edge = serve::default_edge_config(redis);
+    let mut config = flashsale_tests::serve_config(redis, &nats, &pg);
+    let edge = &mut config.edge;
     edge.pending_grace_ms = PENDING_GRACE_MS;
     edge.order_deadline_ms = ORDER_DEADLINE_MS;
     edge.scanner.interval_ms = 100;
     edge.scanner.sku_refresh_ms = 200;
     edge.scanner.backoff_base_ms = 300;
     edge.scanner.backoff_max_ms = 1_000;
-    let mut durable = serve::default_durable_config(&pg, &nats);
-    durable.log = log_config(&nats);
-    let mut config = ServeConfig {
-        shards: 2,
-        pins: Vec::new(),
-        pinning: Pinning::Unpinned,
-        http_addr: "127.0.0.1:0".parse().unwrap(),
-        admin_addr: "127.0.0.1:0".parse().unwrap(),
-        pass_keys: PassKeys::parse(KEYS).unwrap(),
-        admin_token: None,
-        edge,
-        durable,
-        io_memory_bytes: 256 << 10,
-        render_extra: None,
-        worker: None,
-    };
+    config.durable.log = log_config(&nats);
     if std::env::var(ENV_WORKER).as_deref() != Ok("0") {
         let mut worker = flashsale_tests::small_worker(&config);
         worker.log = log_config(&nats);
