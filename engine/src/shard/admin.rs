@@ -89,7 +89,10 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
             health(live, "live")
         }
         (Method::Get, "/startupz") => {
-            health(shared.started.iter().all(|s| s.load(Ordering::Relaxed)), "started")
+            // Listening everywhere, and the backlog read once (admission needs it).
+            let started = shared.started.iter().all(|s| s.load(Ordering::Relaxed))
+                && shared.health.lag.polled_at_ms() != 0;
+            health(started, "started")
         }
         (Method::Get, "/readyz") => {
             let ready = shared.started.iter().all(|s| s.load(Ordering::Relaxed))
