@@ -48,6 +48,26 @@ fn purge(rt: &tokio::runtime::Runtime, stores: &Stores, stream: &str) -> u64 {
 
 /// Drill a: the engine (with its in-process worker) dies at `failpoint` on its `hit`-th
 /// evaluation while 90 buyers compete for 60 units; a fresh engine takes over.
+/// The end of a drill in which every unit sells: every intent resolves, then PostgreSQL,
+/// Redis, the promise and the reconcile report are checked, and all `stock` units are orders.
+fn resolve_and_check_sold_out(
+    rt: &tokio::runtime::Runtime,
+    stores: &Stores,
+    engine: &EngineProcess,
+    intents: &[Intent],
+    stock: u64,
+) -> std::collections::BTreeMap<String, Resolution> {
+    let resolved = resolve_all(engine.http, ACTIVITY, SKU, intents, Duration::from_secs(60));
+    wait_pending_empty(stores, ACTIVITY, SKU, Duration::from_secs(20));
+    let pg = pg_view(rt, stores, ACTIVITY, SKU);
+    assert_pg(&pg);
+    assert_redis_settled(stores, &pg, ACTIVITY, SKU, stock);
+    assert_promise(stores, &pg, ACTIVITY, SKU, intents, &resolved);
+    assert_eq!(pg.orders.len() as u64, stock, "{:?}", pg.report);
+    assert_reconcile_ok(engine, ACTIVITY, SKU);
+    resolved
+}
+
 fn kill_at(failpoint: &'static str, hit: u64) {
     let _serial = serial();
     let rt = runtime();
@@ -65,18 +85,11 @@ fn kill_at(failpoint: &'static str, hit: u64) {
 
     let second = EngineProcess::spawn(&stores, ChildOptions::default());
     let intents = settle_all(second.http, ACTIVITY, SKU, before);
-    let resolved = resolve_all(second.http, ACTIVITY, SKU, &intents, Duration::from_secs(60));
-    wait_pending_empty(&stores, ACTIVITY, SKU, Duration::from_secs(20));
-    let pg = pg_view(&rt, &stores, ACTIVITY, SKU);
-    assert_pg(&pg);
-    assert_redis_settled(&stores, &pg, ACTIVITY, SKU, stock);
-    assert_promise(&stores, &pg, ACTIVITY, SKU, &intents, &resolved);
     // 90 buyers who all got an answer in the end for 60 units: every unit is an order, no
     // reservation was lost and none failed.
-    assert_eq!(pg.orders.len() as u64, stock, "{:?}", pg.report);
+    let resolved = resolve_and_check_sold_out(&rt, &stores, &second, &intents, stock);
     assert!(resolved.values().all(|r| r.state == "SUCCEEDED"), "{resolved:?}");
     assert_eq!(intents.iter().filter(|i| i.promised()).count() as u64, stock);
-    assert_reconcile_ok(&second, ACTIVITY, SKU);
     second.stop();
 }
 
@@ -122,14 +135,7 @@ fn orders_stream_lost_after_acks_scanner_republishes() {
     assert_eq!(purged, stock, "each acknowledged order-create message was in the stream");
 
     let engine = EngineProcess::spawn(&stores, ChildOptions::default());
-    let resolved = resolve_all(engine.http, ACTIVITY, SKU, &intents, Duration::from_secs(60));
-    wait_pending_empty(&stores, ACTIVITY, SKU, Duration::from_secs(20));
-    let pg = pg_view(&rt, &stores, ACTIVITY, SKU);
-    assert_pg(&pg);
-    assert_redis_settled(&stores, &pg, ACTIVITY, SKU, stock);
-    assert_promise(&stores, &pg, ACTIVITY, SKU, &intents, &resolved);
-    assert_eq!(pg.orders.len() as u64, stock);
-    assert_reconcile_ok(&engine, ACTIVITY, SKU);
+    resolve_and_check_sold_out(&rt, &stores, &engine, &intents, stock);
     engine.stop();
 }
 
@@ -156,14 +162,7 @@ fn events_stream_lost_reservations_still_resolve() {
 
     let engine = EngineProcess::spawn(&stores, ChildOptions::default());
     let intents = settle_all(engine.http, ACTIVITY, SKU, before);
-    let resolved = resolve_all(engine.http, ACTIVITY, SKU, &intents, Duration::from_secs(60));
-    wait_pending_empty(&stores, ACTIVITY, SKU, Duration::from_secs(20));
-    let pg = pg_view(&rt, &stores, ACTIVITY, SKU);
-    assert_pg(&pg);
-    assert_redis_settled(&stores, &pg, ACTIVITY, SKU, stock);
-    assert_promise(&stores, &pg, ACTIVITY, SKU, &intents, &resolved);
-    assert_eq!(pg.orders.len() as u64, stock);
-    assert_reconcile_ok(&engine, ACTIVITY, SKU);
+    resolve_and_check_sold_out(&rt, &stores, &engine, &intents, stock);
     engine.stop();
 }
 
