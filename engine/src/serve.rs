@@ -108,6 +108,14 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         redis_circuit: crate::circuit::CircuitConfig::default(),
         // Set from FLASHSALE_PAYMENT_KEY by `main`; none: payment callbacks refused.
         payment_key: None,
+        // Three attempts within 100 ms: a blip is absorbed, an outage is not waited out
+        // (the circuit and the scanner handle those).
+        idempotent_retry: crate::circuit::RetryPolicy {
+            attempts_max: 3,
+            base_delay_ms: 10,
+            delay_max_ms: 50,
+            budget_ms: 100,
+        },
         admission: crate::admission::Budgets::default(),
         // Above every SKU's own bound (partition.in_flight_max) times a few hot SKUs, below
         // the Redis connection's bound: a shard full of slow submits answers OVERLOADED.
@@ -221,6 +229,7 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     config.edge.reconcile.validate().map_err(|e| anyhow::anyhow!("reconcile config: {e}"))?;
     config.edge.publish_circuit.validate().map_err(|e| anyhow::anyhow!("publish circuit: {e}"))?;
     config.edge.redis_circuit.validate().map_err(|e| anyhow::anyhow!("redis circuit: {e}"))?;
+    config.edge.idempotent_retry.validate().map_err(|e| anyhow::anyhow!("retry policy: {e}"))?;
     config.edge.admission.validate().map_err(|e| anyhow::anyhow!("admission budgets: {e}"))?;
     config.edge.control.modes.validate().map_err(|e| anyhow::anyhow!("mode config: {e}"))?;
     let table = PartitionTable::new(shard_count, &config.pins)?;

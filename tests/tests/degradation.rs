@@ -420,3 +420,48 @@ fn admin_cli_signs_and_sets_a_mode_and_shows_it() {
     assert_eq!(status, Ok(0), "{out}");
     assert_eq!(state(&engine.submit(&mut c, 1, 251, 252, "cli-1").1), "QUEUED");
 }
+
+#[test]
+fn idempotent_retries_are_bounded_by_attempts_and_budget() {
+    use flashsale_engine::circuit::RetryPolicy;
+    use flashsale_engine::shard::retry_idempotent;
+    let policy =
+        RetryPolicy { attempts_max: 3, base_delay_ms: 1, delay_max_ms: 5, budget_ms: 1_000 };
+    let (flaky, always) = flashsale_tests::glommio(move || async move {
+        let calls = std::cell::Cell::new(0u32);
+        let flaky: Result<u32, ()> = retry_idempotent(&policy, || {
+            calls.set(calls.get() + 1);
+            let n = calls.get();
+            async move {
+                if n < 3 {
+                    Err(())
+                } else {
+                    Ok(n)
+                }
+            }
+        })
+        .await;
+        let calls = std::cell::Cell::new(0u32);
+        let always: Result<(), u32> = retry_idempotent(&policy, || {
+            calls.set(calls.get() + 1);
+            let n = calls.get();
+            async move { Err(n) }
+        })
+        .await;
+        (flaky, always)
+    });
+    assert_eq!(flaky, Ok(3), "succeeds on the third attempt");
+    assert_eq!(always, Err(3), "gives up after attempts_max");
+    // A budget already spent: no retry at all.
+    let tight = RetryPolicy { attempts_max: 10, base_delay_ms: 50, delay_max_ms: 50, budget_ms: 1 };
+    let once = flashsale_tests::glommio(move || async move {
+        let calls = std::cell::Cell::new(0u32);
+        let _: Result<(), ()> = retry_idempotent(&tight, || {
+            calls.set(calls.get() + 1);
+            async { Err(()) }
+        })
+        .await;
+        calls.get()
+    });
+    assert!(once < 10, "the budget stops retries before attempts_max: {once} attempts");
+}

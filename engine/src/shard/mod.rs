@@ -79,6 +79,9 @@ pub struct EdgeConfig {
     pub redis_circuit: crate::circuit::CircuitConfig,
     /// `FLASHSALE_PAYMENT_KEY`: verifies payment callbacks; `None` refuses them (503).
     pub payment_key: Option<orders::PaymentKey>,
+    /// Retries of idempotent calls only (`mark_sent`, the query's Redis read and PostgreSQL
+    /// fallback): bounded attempts within a time budget, full jitter.
+    pub idempotent_retry: crate::circuit::RetryPolicy,
     /// `decide_submit`'s thresholds (defaults derived from the 3 s order SLO, admission.rs).
     pub admission: crate::admission::Budgets,
     /// Submissions one shard works on at once (owner side); beyond it `OVERLOADED`.
@@ -366,6 +369,36 @@ pub async fn run(start: ShardStart) {
         Err(e) => {
             tracing::error!(shard = id, error = %e, %addr, "bind failed");
             shared.stopping.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Runs the idempotent `op` up to `policy.attempts_max` times while it fails, waiting a
+/// full-jitter delay between attempts and starting none past `policy.budget_ms`. Only for
+/// operations whose repetition is harmless (reads, `mark_sent`).
+pub async fn retry_idempotent<T, E, F, Fut>(
+    policy: &crate::circuit::RetryPolicy,
+    mut op: F,
+) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let started = std::time::Instant::now();
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        match op().await {
+            Ok(value) => return Ok(value),
+            Err(e) => {
+                let elapsed_ms = started.elapsed().as_millis() as u64;
+                match policy.next_delay_ms(attempts, elapsed_ms, rand::random()) {
+                    Some(delay_ms) => {
+                        glommio::timer::sleep(Duration::from_millis(delay_ms)).await;
+                    }
+                    None => return Err(e),
+                }
+            }
         }
     }
 }

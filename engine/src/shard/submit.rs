@@ -538,7 +538,8 @@ pub(crate) async fn publish_and_mark(
     };
     // Best effort: the message is durable either way; a failed mark only means the scanner
     // republishes later (deduplicated by message id).
-    let _ = shard.functions.mark_sent(keys, &mark).await;
+    let retry = &shard.config().idempotent_retry;
+    let _ = super::retry_idempotent(retry, || shard.functions.mark_sent(keys, &mark)).await;
     true
 }
 
@@ -628,19 +629,18 @@ async fn query(
     let keys = shard.sku_keys(key);
     let redis_known = match keys.req(&request_id) {
         Ok(req_key) => {
-            let reply = shard
-                .functions
-                .client()
-                .command(&[
-                    b"HMGET",
-                    req_key.as_bytes(),
-                    b"state",
-                    b"reservation_id",
-                    b"order_id",
-                    b"reason_code",
-                    b"user_id",
-                ])
-                .await;
+            let fields: [&[u8]; 7] = [
+                b"HMGET",
+                req_key.as_bytes(),
+                b"state",
+                b"reservation_id",
+                b"order_id",
+                b"reason_code",
+                b"user_id",
+            ];
+            let client = shard.functions.client();
+            let retry = &shard.config().idempotent_retry;
+            let reply = super::retry_idempotent(retry, || client.command(&fields)).await;
             match reply {
                 Ok(Reply::Array(fields)) if fields.len() == 5 => {
                     let text =
