@@ -3,7 +3,8 @@
 //!
 //! Exit codes (CONTRACT.md section 1): 0 the run completed and every checked invariant held,
 //! 1 the run failed, a checked invariant was violated, or (with `--pg-url`) the orders did not
-//! drain in time; 2 usage errors.
+//! drain in time; 2 usage errors. With `--max-rate-search`: 0 when the search completed
+//! (whatever rate it found), 1 when it could not run, 2 usage errors.
 
 use std::process::ExitCode;
 
@@ -12,6 +13,25 @@ use flashsale_benches::loadgen::{self, cli::Args, LoadError};
 
 fn main() -> ExitCode {
     let args = Args::parse(); // exits 2 on usage errors, 0 on --help / --version
+    if let Some(search) = args.search_config() {
+        return match search
+            .map_err(LoadError::from)
+            .and_then(|search| loadgen::search::run(args.into_config(), search))
+        {
+            Ok(report) => {
+                print!("{}", report.render_text());
+                ExitCode::SUCCESS
+            }
+            Err(LoadError::Config(e)) => {
+                eprintln!("flashsale-loadgen: error: {e}");
+                ExitCode::from(2)
+            }
+            Err(e) => {
+                eprintln!("flashsale-loadgen: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     match loadgen::run(args.into_config()) {
         Ok(report) => {
             print!("{}", report.render_text());

@@ -11,8 +11,10 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 
-use super::config::{default_run_id, LoadConfig, Progress, RetryPolicy};
+use super::config::{default_run_id, ConfigError, LoadConfig, Progress, RetryPolicy};
+use super::http::State;
 use super::schedule::Profile;
+use super::search::SearchConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum RetryFlag {
@@ -119,9 +121,85 @@ pub struct Args {
     /// No progress line on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// Find the highest rate the target sustains instead of one run: steps of --duration-s
+    /// starting at --rate, up by --search-growth, then bisected (see `loadgen/search.rs` for
+    /// the criterion). --json gets the search report.
+    #[arg(long)]
+    pub max_rate_search: bool,
+    /// Highest rate the search tries.
+    #[arg(long, default_value_t = 2_000_000)]
+    pub search_rate_max: u64,
+    /// Factor between search steps while they are sustained.
+    #[arg(long, default_value_t = 1.5)]
+    pub search_growth: f64,
+    /// The search stops when lowest failed / highest sustained is at most this.
+    #[arg(long, default_value_t = 1.05)]
+    pub search_precision: f64,
+    /// A step is sustained only with a p99 (from intended send time) at most this.
+    #[arg(long, default_value_t = 50.0)]
+    pub search_p99_ms: f64,
+    /// A step is sustained only if it achieved at least this share of the offered rate.
+    #[arg(long, default_value_t = 0.98)]
+    pub search_achieved_min: f64,
+    /// A step is sustained only if every answer has this state (e.g. SOLD_OUT).
+    #[arg(long)]
+    pub expect_state: Option<String>,
+    /// Pause between search steps (the target drains a failed step's backlog).
+    #[arg(long, default_value_t = 1_000)]
+    pub settle_ms: u64,
+    /// Runs of a failed search step before its rate counts as failed (a second chance
+    /// against another tenant's burst on a shared machine).
+    #[arg(long, default_value_t = 2)]
+    pub search_attempts: u32,
+    /// After the search: this many runs at half the maximum rate.
+    #[arg(long, default_value_t = 0)]
+    pub half_rate_runs: u32,
+    /// Length of each half-rate run.
+    #[arg(long, default_value_t = 10.0)]
+    pub half_rate_duration_s: f64,
+    /// The server's process id: each search step records its CPU use and VmRSS / VmHWM.
+    #[arg(long)]
+    pub server_pid: Option<u32>,
 }
 
 impl Args {
+    /// The search's settings with `--max-rate-search` (`None` without it).
+    pub fn search_config(&self) -> Option<Result<SearchConfig, ConfigError>> {
+        if !self.max_rate_search {
+            return None;
+        }
+        let expect_state = match self.expect_state.as_deref().map(State::parse) {
+            Some(State::Other) => {
+                return Some(Err(ConfigError(format!(
+                    "--expect-state: unknown state {:?}",
+                    self.expect_state.as_deref().unwrap_or_default()
+                ))));
+            }
+            other => other,
+        };
+        let half_rate_duration_ms =
+            if self.half_rate_duration_s.is_finite() && self.half_rate_duration_s > 0.0 {
+                (self.half_rate_duration_s * 1_000.0).round() as u64
+            } else {
+                0 // refused by validate
+            };
+        let config = SearchConfig {
+            start_rps: self.rate,
+            rate_max: self.search_rate_max,
+            growth: self.search_growth,
+            precision: self.search_precision,
+            p99_ms_max: self.search_p99_ms,
+            achieved_ratio_min: self.search_achieved_min,
+            expect_state,
+            settle_ms: self.settle_ms,
+            attempts_max: self.search_attempts,
+            half_rate_runs: self.half_rate_runs,
+            half_rate_duration_ms,
+            server_pid: self.server_pid,
+        };
+        Some(config.validate().map(|()| config))
+    }
+
     pub fn into_config(self) -> LoadConfig {
         let profile = if self.ramp_ms == 0 {
             Profile::Constant { rate_per_s: self.rate }
@@ -203,5 +281,38 @@ mod tests {
         assert!(Args::try_parse_from(["flashsale-loadgen", "--rate", "x"]).is_err());
         let bad = Args::try_parse_from(["flashsale-loadgen", "--duration-s=-1"]).unwrap();
         assert!(bad.into_config().validate().is_err());
+    }
+
+    #[test]
+    fn search_flags_map_onto_the_search_config() {
+        let plain = Args::try_parse_from(["flashsale-loadgen"]).unwrap();
+        assert!(plain.search_config().is_none());
+        let args = Args::try_parse_from([
+            "flashsale-loadgen",
+            "--max-rate-search",
+            "--rate",
+            "20000",
+            "--expect-state",
+            "SOLD_OUT",
+            "--half-rate-runs",
+            "3",
+            "--server-pid",
+            "42",
+        ])
+        .unwrap();
+        let c = args.search_config().unwrap().unwrap();
+        assert_eq!((c.start_rps, c.expect_state), (20_000, Some(State::SoldOut)));
+        assert_eq!(
+            (c.half_rate_runs, c.half_rate_duration_ms, c.server_pid),
+            (3, 10_000, Some(42))
+        );
+        assert_eq!((c.p99_ms_max, c.achieved_ratio_min, c.growth), (50.0, 0.98, 1.5));
+        assert_eq!(c.attempts_max, 2);
+        for bad in [["--expect-state", "SOLDOUT"], ["--search-growth", "1"], ["--rate", "10"]] {
+            let mut argv = vec!["flashsale-loadgen", "--max-rate-search"];
+            argv.extend(bad);
+            let args = Args::try_parse_from(argv).unwrap();
+            assert!(args.search_config().unwrap().is_err(), "{bad:?}");
+        }
     }
 }

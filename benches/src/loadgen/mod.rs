@@ -13,6 +13,9 @@
 //! - `driver` — tokio: dispatcher, bounded send queue, connections, retries, progress.
 //! - `redis`, `verify` — the checks after the run.
 //! - `report`, `svg` — the outputs. `config`, `cli` — the knobs.
+//! - `search` — `--max-rate-search`: steps the rate up, then bisects, to the highest rate
+//!   the target sustains (the bare-server baseline and the engine, same settings); `proc` —
+//!   CPU and memory of the generator and the server from `/proc`.
 //!
 //! What it is not: a benchmark of the generator itself (see `send_lag_ms` in the report
 //! for whether it kept up), nor the demo (`flashsale demo` drives this).
@@ -21,9 +24,11 @@ pub mod cli;
 pub mod config;
 pub mod driver;
 pub mod http;
+pub mod proc;
 pub mod redis;
 pub mod report;
 pub mod schedule;
+pub mod search;
 pub mod stats;
 pub mod svg;
 pub mod verify;
@@ -84,26 +89,7 @@ async fn run_async(config: &LoadConfig, resolved: &config::Resolved) -> Result<R
         create_activity(admin, &host, config.admin_token.as_deref(), config, stock).await?;
     }
     let passes = mint_passes(config, resolved)?;
-    let params = driver::DriveParams {
-        target: resolved.target,
-        host: resolved.target_host.clone(),
-        passes,
-        activity_id: config.activity_id,
-        sku_id: config.sku_id,
-        run_id: config.run_id.clone(),
-        profile: config.profile,
-        duration_ms: config.duration_ms,
-        connections: config.connections,
-        pipeline: config.pipeline,
-        users: config.users,
-        duplicate_ratio: config.duplicate_ratio,
-        seed: config.seed,
-        retry: config.retry,
-        timeout_ms: config.timeout_ms,
-        queue_max: config.queue_max,
-        progress: config.progress,
-        trace_max: config.trace_max,
-    };
+    let params = drive_params(config, resolved, passes);
     let measured = driver::drive(params).await;
     let verification = match resolved.redis {
         Some(redis) => {
@@ -130,6 +116,34 @@ async fn run_async(config: &LoadConfig, resolved: &config::Resolved) -> Result<R
         None => None,
     };
     Ok(Report::build(run_info(config), measured, verification))
+}
+
+/// What the driver needs for one run of `config`.
+fn drive_params(
+    config: &LoadConfig,
+    resolved: &config::Resolved,
+    passes: Vec<String>,
+) -> driver::DriveParams {
+    driver::DriveParams {
+        target: resolved.target,
+        host: resolved.target_host.clone(),
+        passes,
+        activity_id: config.activity_id,
+        sku_id: config.sku_id,
+        run_id: config.run_id.clone(),
+        profile: config.profile,
+        duration_ms: config.duration_ms,
+        connections: config.connections,
+        pipeline: config.pipeline,
+        users: config.users,
+        duplicate_ratio: config.duplicate_ratio,
+        seed: config.seed,
+        retry: config.retry,
+        timeout_ms: config.timeout_ms,
+        queue_max: config.queue_max,
+        progress: config.progress,
+        trace_max: config.trace_max,
+    }
 }
 
 fn run_info(config: &LoadConfig) -> report::RunInfo {
