@@ -182,6 +182,23 @@ fn ids(c: &mut Criterion) {
             out
         })
     });
+    // The x-request-id of an answer to a request that carried none: the former format!
+    // (one allocation per answer) against the stack-built id the shard uses now.
+    let mut seq = 1_000_000u64;
+    group.bench_function("request_id_format", |b| {
+        b.iter(|| {
+            seq += 1;
+            let id = format!("fs-{}-{}", black_box(1usize), seq);
+            black_box(id.len())
+        })
+    });
+    group.bench_function("request_id_stack", |b| {
+        b.iter(|| {
+            seq += 1;
+            let id = flashsale_engine::ids::GeneratedRequestId::new(black_box(1), seq);
+            black_box(id.len())
+        })
+    });
     group.finish();
 }
 

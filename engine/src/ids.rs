@@ -227,6 +227,47 @@ impl fmt::Debug for BusinessId {
     }
 }
 
+/// The `x-request-id` of an answer whose request carried none: `fs-{shard}-{seq}`, built on
+/// the stack (an answer must not allocate); derefs to `&str`.
+#[derive(Clone, Copy)]
+pub struct GeneratedRequestId {
+    len: u8,
+    bytes: [u8; GENERATED_REQUEST_ID_LEN_MAX],
+}
+
+/// `fs-` + two decimals of at most 20 digits + `-`.
+const GENERATED_REQUEST_ID_LEN_MAX: usize = 3 + 20 + 1 + 20;
+
+impl GeneratedRequestId {
+    pub fn new(shard: usize, seq: u64) -> GeneratedRequestId {
+        let mut bytes = [0u8; GENERATED_REQUEST_ID_LEN_MAX];
+        let mut len = 0;
+        let shard_text = flashsale_io::resp::U64Text::new(shard as u64);
+        let seq_text = flashsale_io::resp::U64Text::new(seq);
+        for part in [b"fs-".as_slice(), shard_text.as_bytes(), b"-", seq_text.as_bytes()] {
+            bytes[len..len + part.len()].copy_from_slice(part);
+            len += part.len();
+        }
+        // At most 44: fits a u8.
+        GeneratedRequestId { len: len as u8, bytes }
+    }
+
+    pub fn as_str(&self) -> &str {
+        match std::str::from_utf8(&self.bytes[..usize::from(self.len)]) {
+            Ok(text) => text,
+            // Built only from ASCII digits and separators.
+            Err(_) => unreachable!("a generated request id is ASCII"),
+        }
+    }
+}
+
+impl Deref for GeneratedRequestId {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
 /// Writes the 26-character Crockford base32 text of `value` (most significant first; the
 /// first character carries the top 3 bits, so it is at most `7`).
 pub fn encode_ulid(value: u128, out: &mut [u8]) {
@@ -445,5 +486,12 @@ mod tests {
         let a = IdGenerator::new([1; 32]).next(IdKind::Order, 42);
         let b = IdGenerator::new([2; 32]).next(IdKind::Order, 42);
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn generated_request_ids_match_the_old_format() {
+        for (shard, seq) in [(0, 1), (3, 1_000_000), (usize::MAX, u64::MAX)] {
+            assert_eq!(&*GeneratedRequestId::new(shard, seq), format!("fs-{shard}-{seq}"));
+        }
     }
 }

@@ -271,9 +271,11 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     });
     let mesh = MeshBuilder::full(shard_count, config.edge.mesh_capacity);
     let mut executors = Vec::with_capacity(shard_count);
+    // Pinned shards take the CPUs the process may run on, in order (CPUAffinity= respected).
+    let cpus = crate::startup::shard_cpus(shard_count, crate::startup::allowed_cpus().as_deref());
     for (id, sync_rx) in sync_receivers.into_iter().enumerate() {
         let placement = match config.pinning {
-            Pinning::PinPerCore => Placement::Fixed(id),
+            Pinning::PinPerCore => Placement::Fixed(cpus[id]),
             Pinning::Unpinned => Placement::Unbound,
         };
         let start = ShardStart {

@@ -83,7 +83,7 @@ pub struct Facts {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Needs {
     pub shards: usize,
-    /// The CPU each shard is pinned to (`Placement::Fixed(shard id)`), empty when unpinned.
+    /// The CPU each shard is pinned to ([`shard_cpus`]), empty when unpinned.
     pub pinned_cpus: Vec<usize>,
     /// `ServeConfig::io_memory_bytes`, per executor.
     pub io_memory_bytes: u64,
@@ -92,11 +92,11 @@ pub struct Needs {
 }
 
 impl Needs {
-    /// The needs of a `serve` configuration: shard `i` is pinned to CPU `i` when pinned
-    /// (see `serve::start`).
-    pub fn of(config: &ServeConfig) -> Self {
+    /// The needs of a `serve` configuration whose process may run on `allowed` CPUs: shard
+    /// `i` is pinned to [`shard_cpus`]`[i]` when pinned (see `serve::start`).
+    pub fn of(config: &ServeConfig, allowed: Option<&[usize]>) -> Self {
         let pinned_cpus = match config.pinning {
-            Pinning::PinPerCore => (0..config.shards).collect(),
+            Pinning::PinPerCore => shard_cpus(config.shards, allowed),
             Pinning::Unpinned => Vec::new(),
         };
         Needs {
@@ -222,9 +222,9 @@ impl fmt::Display for Warning {
             ),
             Warning::PinsOutsideAllowed { cpus, allowed } => write!(
                 f,
-                "shard i is pinned to CPU i, and CPUs {} are outside this process's affinity \
-                 mask ({}): pinning overrides CPUAffinity=/taskset (or fails under a cgroup \
-                 cpuset); make the mask start at CPU 0 and cover the shards, or use --no-pin",
+                "shards would be pinned to CPUs {} outside this process's affinity mask ({}): \
+                 pinning overrides CPUAffinity=/taskset (or fails under a cgroup cpuset); \
+                 widen the mask or use --no-pin",
                 CpuList(cpus),
                 CpuList(allowed)
             ),
@@ -499,9 +499,27 @@ pub fn log_warnings(warnings: &[Warning]) {
     }
 }
 
+/// The CPU of each pinned shard: the `i`-th CPU the process may run on (systemd's
+/// `CPUAffinity=`, `taskset`), so a mask that leaves CPU 0 to the system is respected; it
+/// wraps around when there are more shards than allowed CPUs (the start-up check warns), and
+/// is CPU `i` when the mask is unknown.
+pub fn shard_cpus(shards: usize, allowed: Option<&[usize]>) -> Vec<usize> {
+    match allowed {
+        Some(cpus) if !cpus.is_empty() => (0..shards).map(|i| cpus[i % cpus.len()]).collect(),
+        _ => (0..shards).collect(),
+    }
+}
+
+/// The CPUs this process may run on (`Cpus_allowed_list` of `/proc/self/status`).
+pub fn allowed_cpus() -> Option<Vec<usize>> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status_field(&status, "Cpus_allowed_list").and_then(parse_cpu_list)
+}
+
 /// The one call `serve` makes before starting the shards: read, check, log.
 pub fn warn_about_host(config: &ServeConfig) -> Vec<Warning> {
-    let warnings = check(&read_facts(), &Needs::of(config));
+    let facts = read_facts();
+    let warnings = check(&facts, &Needs::of(config, facts.allowed_cpus.as_deref()));
     log_warnings(&warnings);
     warnings
 }
@@ -656,12 +674,16 @@ mod tests {
     }
 
     #[test]
-    fn systemd_cpu_affinity_that_skips_cpu_0_conflicts_with_pin_per_core() {
+    fn systemd_cpu_affinity_that_skips_cpu_0_is_respected_by_pin_per_core() {
         // CPUAffinity=1-3 and FLASHSALE_SHARDS unset: available_parallelism gives 3 shards,
-        // which serve pins to CPUs 0, 1, 2.
+        // which serve pins to the allowed CPUs 1, 2, 3 (no warning).
         let mut facts = tuned();
         facts.allowed_cpus = Some(vec![1, 2, 3]);
         facts.isolated_cpus = Some(vec![1, 2, 3]);
+        let pinned = shard_cpus(3, facts.allowed_cpus.as_deref());
+        assert_eq!(pinned, vec![1, 2, 3]);
+        assert_eq!(check(&facts, &needs(3, pinned)), vec![]);
+        // Pins outside the mask (not produced by shard_cpus) are still caught.
         let w = check(&facts, &needs(3, vec![0, 1, 2]));
         assert_eq!(
             w,
@@ -670,7 +692,7 @@ mod tests {
                 Warning::PinsNotIsolated { cpus: vec![0], isolated: vec![1, 2, 3] },
             ]
         );
-        assert!(w[0].to_string().contains("CPUs 0 are outside"), "{}", w[0]);
+        assert!(w[0].to_string().contains("CPUs 0 outside"), "{}", w[0]);
     }
 
     #[test]
@@ -796,5 +818,13 @@ mod tests {
         let Some(Limit { soft, hard }) = facts.nofile else { panic!("Max open files") };
         assert!(soft.unwrap_or(u64::MAX) <= hard.unwrap_or(u64::MAX));
         assert!(facts.memlock.is_some(), "Max locked memory");
+    }
+
+    #[test]
+    fn shards_take_the_allowed_cpus_in_order() {
+        assert_eq!(shard_cpus(3, Some(&[2, 3, 5, 7])), vec![2, 3, 5]);
+        assert_eq!(shard_cpus(3, Some(&[4, 6])), vec![4, 6, 4], "wraps (and is warned about)");
+        assert_eq!(shard_cpus(2, None), vec![0, 1]);
+        assert_eq!(shard_cpus(2, Some(&[])), vec![0, 1]);
     }
 }

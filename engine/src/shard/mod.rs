@@ -178,10 +178,10 @@ impl Shard {
     }
 
     /// A request id for responses whose request carried none (`x-request-id`).
-    pub fn next_request_id(&self) -> String {
+    pub fn next_request_id(&self) -> crate::ids::GeneratedRequestId {
         let n = self.request_seq.get() + 1;
         self.request_seq.set(n);
-        format!("fs-{}-{n}", self.id)
+        crate::ids::GeneratedRequestId::new(self.id, n)
     }
 
     /// Runs `f` on this SKU's owner state (created on first use, or the shared untracked
