@@ -118,17 +118,18 @@ impl CallbackOutcome {
         }
     }
 
+    /// Every outcome (the closed label set of `flashsale_payment_callbacks_total`).
+    pub const ALL: [CallbackOutcome; 6] = [
+        CallbackOutcome::Paid,
+        CallbackOutcome::Unpaid,
+        CallbackOutcome::RefundNeeded,
+        CallbackOutcome::AmountMismatch,
+        CallbackOutcome::PaymentUnknown,
+        CallbackOutcome::PaymentConflict,
+    ];
+
     pub fn parse(text: &str) -> Option<CallbackOutcome> {
-        [
-            CallbackOutcome::Paid,
-            CallbackOutcome::Unpaid,
-            CallbackOutcome::RefundNeeded,
-            CallbackOutcome::AmountMismatch,
-            CallbackOutcome::PaymentUnknown,
-            CallbackOutcome::PaymentConflict,
-        ]
-        .into_iter()
-        .find(|o| o.as_str() == text)
+        CallbackOutcome::ALL.into_iter().find(|o| o.as_str() == text)
     }
 
     /// Whether the provider should be told the money has to go back.
@@ -401,14 +402,7 @@ mod tests {
 
     #[test]
     fn callback_outcomes_round_trip_their_text() {
-        for outcome in [
-            CallbackOutcome::Paid,
-            CallbackOutcome::Unpaid,
-            CallbackOutcome::RefundNeeded,
-            CallbackOutcome::AmountMismatch,
-            CallbackOutcome::PaymentUnknown,
-            CallbackOutcome::PaymentConflict,
-        ] {
+        for outcome in CallbackOutcome::ALL {
             assert_eq!(CallbackOutcome::parse(outcome.as_str()), Some(outcome));
         }
         assert_eq!(CallbackOutcome::parse("paid"), None);

@@ -22,14 +22,7 @@ fn main() -> ExitCode {
                 print!("{}", report.render_text());
                 ExitCode::SUCCESS
             }
-            Err(LoadError::Config(e)) => {
-                eprintln!("flashsale-loadgen: error: {e}");
-                ExitCode::from(2)
-            }
-            Err(e) => {
-                eprintln!("flashsale-loadgen: error: {e}");
-                ExitCode::FAILURE
-            }
+            Err(e) => error_exit(e),
         };
     }
     match loadgen::run(args.into_config()) {
@@ -50,13 +43,15 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Err(LoadError::Config(e)) => {
-            eprintln!("flashsale-loadgen: error: {e}");
-            ExitCode::from(2)
-        }
-        Err(e) => {
-            eprintln!("flashsale-loadgen: error: {e}");
-            ExitCode::FAILURE
-        }
+        Err(e) => error_exit(e),
+    }
+}
+
+/// Usage errors exit 2, everything else 1 (CONTRACT.md section 1).
+fn error_exit(e: LoadError) -> ExitCode {
+    eprintln!("flashsale-loadgen: error: {e}");
+    match e {
+        LoadError::Config(_) => ExitCode::from(2),
+        _ => ExitCode::FAILURE,
     }
 }

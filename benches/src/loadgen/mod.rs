@@ -56,16 +56,20 @@ pub enum LoadError {
     Output { path: String, message: String },
 }
 
-/// Runs one load test (builds its own tokio runtime; call it from plain code).
-pub fn run(config: LoadConfig) -> Result<Report, LoadError> {
-    let resolved = config.validate()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+/// The generator's tokio runtime (`--threads` workers).
+pub(crate) fn runtime(config: &LoadConfig) -> Result<tokio::runtime::Runtime, LoadError> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.threads)
         .thread_name("loadgen")
         .enable_all()
         .build()
-        .map_err(|e| LoadError::Setup(format!("tokio runtime: {e}")))?;
-    let report = runtime.block_on(run_async(&config, &resolved))?;
+        .map_err(|e| LoadError::Setup(format!("tokio runtime: {e}")))
+}
+
+/// Runs one load test (builds its own tokio runtime; call it from plain code).
+pub fn run(config: LoadConfig) -> Result<Report, LoadError> {
+    let resolved = config.validate()?;
+    let report = runtime(&config)?.block_on(run_async(&config, &resolved))?;
     if let Some(path) = &config.json_path {
         std::fs::write(path, report.to_json()).map_err(|e| LoadError::Output {
             path: path.display().to_string(),

@@ -377,13 +377,7 @@ fn step_line(step: &Step) -> String {
 pub fn run(config: LoadConfig, search: SearchConfig) -> Result<SearchReport, LoadError> {
     let resolved = config.validate()?;
     search.validate()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(config.threads)
-        .thread_name("loadgen")
-        .enable_all()
-        .build()
-        .map_err(|e| LoadError::Setup(format!("tokio runtime: {e}")))?;
-    let report = runtime.block_on(run_async(&config, &resolved, &search))?;
+    let report = super::runtime(&config)?.block_on(run_async(&config, &resolved, &search))?;
     if let Some(path) = &config.json_path {
         std::fs::write(path, report.to_json()).map_err(|e| LoadError::Output {
             path: path.display().to_string(),
