@@ -465,3 +465,62 @@ fn idempotent_retries_are_bounded_by_attempts_and_budget() {
     });
     assert!(once < 10, "the budget stops retries before attempts_max: {once} attempts");
 }
+
+#[test]
+fn nats_stopped_pending_is_bounded_then_every_queued_reservation_becomes_an_order() {
+    let mut engine = Engine::start_with(|c| {
+        c.worker = Some(small_worker(c));
+        c.edge.admission = flashsale_engine::admission::Budgets::default();
+        c.edge.pending_grace_ms = 200;
+        c.edge.scanner.interval_ms = 100;
+        c.edge.scanner.sku_refresh_ms = 100;
+        c.edge.scanner.backoff_base_ms = 200;
+        c.edge.scanner.backoff_max_ms = 500;
+    });
+    engine.create_activity(261, 262, 100);
+    let mut c = HttpClient::connect(engine.http());
+    let mut taken: Vec<(u64, String)> = Vec::new();
+    let (status, v) = engine.submit(&mut c, 1, 261, 262, "n-1");
+    assert_eq!((status, state(&v)), (202, "QUEUED"), "{v}");
+    taken.push((1, "n-1".into()));
+
+    engine.nats.kill();
+    // Reserved but unconfirmed (QUEUED_PENDING) until the log circuit opens or the backlog
+    // sample goes stale; then SUBMIT_CLOSED with nothing reserved.
+    let mut closed = false;
+    for user in 2..60u64 {
+        let id = format!("n-{user}");
+        let (status, v) = engine.submit(&mut c, user, 261, 262, &id);
+        match state(&v) {
+            "QUEUED_PENDING" => taken.push((user, id)),
+            "SUBMIT_CLOSED" => {
+                assert_eq!(status, 503);
+                closed = true;
+                break;
+            }
+            other => panic!("unexpected while NATS is down: {other} {v}"),
+        }
+    }
+    assert!(closed, "submissions closed while NATS was down");
+    let pending = taken.len() - 1;
+    assert!(pending < 20, "pending reservations stay bounded: {pending}");
+    for user in 100..105u64 {
+        let (_, v) = engine.submit(&mut c, user, 261, 262, &format!("n-{user}"));
+        assert_eq!(state(&v), "SUBMIT_CLOSED", "{v}");
+    }
+    assert_eq!(stock(&engine, 261, 262), 100 - taken.len() as i64, "closed reserved nothing");
+
+    engine.nats.restart();
+    // The scanner republishes (same message id), the worker creates the orders.
+    for (user, id) in &taken {
+        wait_for_ms("every queued reservation becomes an order", 60_000, || {
+            let (_, v) = engine.query(&mut c, *user, 261, 262, id);
+            assert_ne!(state(&v), "FAILED", "{v}");
+            state(&v) == "SUCCEEDED"
+        });
+    }
+    wait_for_ms("submissions reopen", 30_000, || {
+        state(&engine.submit(&mut c, 200, 261, 262, "n-200").1) == "QUEUED"
+    });
+    engine.assert_invariants(261, 262);
+}
