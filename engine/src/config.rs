@@ -45,6 +45,8 @@ pub struct Config {
     /// `FLASHSALE_PAYMENT_KEY` (hex) as given; parsed by `shard::orders::PaymentKey::from_hex`
     /// in `main`. None: payment callbacks are refused.
     pub payment_key: Option<String>,
+    /// `decide_submit`'s budgets (`[admission]`, validated).
+    pub admission: crate::admission::Budgets,
     /// Where accepted mode snapshots persist (`FLASHSALE_MODE_STATE_FILE`, default
     /// `var/modes.json`).
     pub mode_state_file: PathBuf,
@@ -63,6 +65,18 @@ struct FileConfig {
     admin: Option<AdminSection>,
     engine: Option<EngineSection>,
     auth: Option<AuthSection>,
+    admission: Option<AdmissionSection>,
+}
+
+/// `[admission]`: `decide_submit`'s budgets (defaults derived from the 3 s order SLO in
+/// `admission.rs`; override them knowingly, e.g. with the deployment's measured drain rate).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdmissionSection {
+    oldest_pending_age_max_ms: Option<u64>,
+    pending_count_max: Option<u64>,
+    backlog_sample_age_max_ms: Option<u64>,
+    pg_outage_age_max_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -177,6 +191,7 @@ impl Config {
         let optional = |var: &str, file: Option<String>| {
             env.get(var).cloned().or(file).filter(|v| !v.trim().is_empty())
         };
+        let admission = admission_budgets(file.admission.unwrap_or_default())?;
         let pins = parse_pins(file.engine.as_ref().and_then(|e| e.pins.as_deref()).unwrap_or(&[]))?;
         let shards = match flags.shards {
             Some(n) => n,
@@ -208,12 +223,30 @@ impl Config {
             admin_token: optional("FLASHSALE_ADMIN_TOKEN", admin_file_token),
             control_key: optional("FLASHSALE_CONTROL_KEY", file_control),
             payment_key: optional("FLASHSALE_PAYMENT_KEY", file_payment),
+            admission,
             mode_state_file: optional("FLASHSALE_MODE_STATE_FILE", None)
                 .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from),
             pins,
         };
         Ok(config)
     }
+}
+
+fn admission_budgets(section: AdmissionSection) -> Result<crate::admission::Budgets, ConfigError> {
+    let mut budgets = crate::admission::Budgets::default();
+    let fields = [
+        (section.oldest_pending_age_max_ms, &mut budgets.oldest_pending_age_max_ms),
+        (section.pending_count_max, &mut budgets.pending_count_max),
+        (section.backlog_sample_age_max_ms, &mut budgets.backlog_sample_age_max_ms),
+        (section.pg_outage_age_max_ms, &mut budgets.pg_outage_age_max_ms),
+    ];
+    for (value, field) in fields {
+        if let Some(value) = value {
+            *field = value;
+        }
+    }
+    budgets.validate().map_err(|message| ConfigError::Invalid { name: "[admission]", message })?;
+    Ok(budgets)
 }
 
 fn parse_pins(entries: &[String]) -> Result<Vec<(crate::router::SkuKey, usize)>, ConfigError> {
@@ -322,6 +355,24 @@ mod tests {
         let e = env(&[("FLASHSALE_SHARDS", "0")]);
         let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
         assert!(err.to_string().contains("FLASHSALE_SHARDS"), "{err}");
+    }
+
+    #[test]
+    fn admission_budgets_come_from_the_file_and_are_validated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.toml");
+        std::fs::write(&path, "[admission]\npending_count_max = 20000\n").expect("w");
+        let c =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        assert_eq!(c.admission.pending_count_max, 20_000);
+        assert_eq!(
+            c.admission.oldest_pending_age_max_ms,
+            crate::admission::Budgets::default().oldest_pending_age_max_ms
+        );
+        std::fs::write(&path, "[admission]\npg_outage_age_max_ms = 0\n").expect("w");
+        let err =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("[admission]"), "{err}");
     }
 
     #[test]

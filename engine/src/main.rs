@@ -286,6 +286,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let redis = serve::redis_addr(&config.redis_url)?;
     let mut edge = serve::default_edge_config(redis);
     edge.control = control_config(&config)?;
+    edge.admission = config.admission;
     if let Some(hex_key) = &config.payment_key {
         let key = flashsale_engine::shard::orders::PaymentKey::from_hex(hex_key)
             .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
