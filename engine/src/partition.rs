@@ -74,8 +74,40 @@ pub struct Accepted {
 /// The accepted map as replicas see it: frozen, shared by `Arc`, replaced wholesale.
 pub type AcceptedMap = HashMap<Arc<str>, Accepted>;
 
+/// Accepted-map entries a shard may still add over all its SKUs (~570 bytes each, measured by
+/// `benches/baseline.sh`); entries are never removed, so this bounds the shard's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AcceptedBudget {
+    left: usize,
+}
+
+impl AcceptedBudget {
+    pub fn new(entries: usize) -> AcceptedBudget {
+        AcceptedBudget { left: entries }
+    }
+
+    /// No shard-wide bound (tests, benches).
+    pub fn unlimited() -> AcceptedBudget {
+        AcceptedBudget { left: usize::MAX }
+    }
+
+    pub fn left(&self) -> usize {
+        self.left
+    }
+
+    /// One entry, if any is left.
+    fn take(&mut self) -> bool {
+        if self.left == 0 {
+            return false;
+        }
+        self.left -= 1;
+        true
+    }
+}
+
 /// Limits of one SKU's partition state. A limit on everything: the accepted map is bounded by
-/// stock (only creating requests are recorded), admission by rate and concurrency.
+/// `accepted_max` per SKU and by the shard's [`AcceptedBudget`] overall, admission by rate and
+/// concurrency.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartitionLimits {
     /// Entries kept in the accepted map; beyond it replays go to Redis (still correct).
@@ -252,20 +284,23 @@ impl SkuPartition {
 
     /// The call for `permit` finished. Returns a replica update when the sold-out flag
     /// changed (the shard broadcasts it).
+    /// `budget`: the accepted entries the whole shard may still add (every SKU's map counts
+    /// against it), so memory stays bounded however many SKUs are tracked.
     pub fn on_reserve(
         &mut self,
         permit: Permit,
         request_id: &str,
         seen: ReserveSeen,
+        budget: &mut AcceptedBudget,
     ) -> Option<ReplicaUpdate> {
         self.release(permit);
         match seen {
             ReserveSeen::Accepted(entry) => {
-                self.remember(request_id, entry);
+                self.remember(request_id, entry, budget);
                 None
             }
             ReserveSeen::AcceptedLast(entry) => {
-                self.remember(request_id, entry);
+                self.remember(request_id, entry, budget);
                 self.set_sold_out(true)
             }
             ReserveSeen::SoldOut => self.set_sold_out(true),
@@ -273,9 +308,11 @@ impl SkuPartition {
         }
     }
 
-    fn remember(&mut self, request_id: &str, entry: Accepted) {
-        if self.accepted.len() < self.limits.accepted_max || self.accepted.contains_key(request_id)
-        {
+    /// Keeps the entry for local replays while this SKU and the shard have room; beyond, a
+    /// replay goes to Redis (`reserve` answers IDEMPOTENT): slower, still correct.
+    fn remember(&mut self, request_id: &str, entry: Accepted, budget: &mut AcceptedBudget) {
+        let known = self.accepted.contains_key(request_id);
+        if known || (self.accepted.len() < self.limits.accepted_max && budget.take()) {
             self.accepted.insert(Arc::from(request_id), entry);
         }
     }
@@ -424,12 +461,37 @@ mod tests {
     }
 
     #[test]
+    fn the_shard_budget_bounds_the_accepted_maps_of_all_skus() {
+        let limits = PartitionLimits { accepted_max: 10, ..limits() };
+        let mut budget = AcceptedBudget::new(3);
+        let mut a = SkuPartition::new(SkuKey::new(1, 1), limits, 0);
+        let mut b = SkuPartition::new(SkuKey::new(1, 2), limits, 0);
+        for (in_a, id) in [(true, "a1"), (true, "a2"), (false, "b1"), (false, "b2")] {
+            let p = if in_a { &mut a } else { &mut b };
+            let SubmitPlan::CallRedis(pm) = p.plan_submit(id, "h", 0) else { panic!("admit") };
+            p.on_reserve(pm, id, ReserveSeen::Accepted(accepted(1, "h")), &mut budget);
+        }
+        assert_eq!((a.accepted_len(), b.accepted_len(), budget.left()), (2, 1, 0));
+        // Past the budget the request is not remembered: its replay goes to Redis.
+        assert!(matches!(b.plan_submit("b2", "h", 0), SubmitPlan::CallRedis(_)));
+    }
+
+    #[test]
     fn replay_after_sell_out_without_redis() {
         let mut p = SkuPartition::new(key(), limits(), 0);
         let pm = permit(&mut p, "r1", 0);
-        assert!(p.on_reserve(pm, "r1", ReserveSeen::Accepted(accepted(1, "h"))).is_none());
+        assert!(p
+            .on_reserve(
+                pm,
+                "r1",
+                ReserveSeen::Accepted(accepted(1, "h")),
+                &mut AcceptedBudget::unlimited()
+            )
+            .is_none());
         let pm = permit(&mut p, "r2", 0);
-        let update = p.on_reserve(pm, "r2", ReserveSeen::SoldOut).expect("flag flips");
+        let update = p
+            .on_reserve(pm, "r2", ReserveSeen::SoldOut, &mut AcceptedBudget::unlimited())
+            .expect("flag flips");
         assert!(update.sold_out && update.revision == 1);
         assert_eq!(p.plan_submit("r1", "h", 1), SubmitPlan::Replay(accepted(1, "h")));
         assert_eq!(p.plan_submit("r1", "other", 1), SubmitPlan::Conflict);
@@ -447,8 +509,14 @@ mod tests {
     fn last_unit_flips_sold_out_and_is_replayable_everywhere() {
         let mut p = SkuPartition::new(key(), limits(), 0);
         let pm = permit(&mut p, "r1", 0);
-        let update =
-            p.on_reserve(pm, "r1", ReserveSeen::AcceptedLast(accepted(1, "h"))).expect("flip");
+        let update = p
+            .on_reserve(
+                pm,
+                "r1",
+                ReserveSeen::AcceptedLast(accepted(1, "h")),
+                &mut AcceptedBudget::unlimited(),
+            )
+            .expect("flip");
         assert!(update.sold_out);
         assert_eq!(update.accepted.get("r1"), Some(&accepted(1, "h")));
         assert_eq!(p.plan_submit("r2", "h", 0), SubmitPlan::SoldOut);
@@ -474,7 +542,9 @@ mod tests {
     fn stale_sold_out_cleared_by_recheck_and_returned_stock() {
         let mut p = SkuPartition::new(key(), limits(), 0);
         let pm = permit(&mut p, "a", 0);
-        assert!(p.on_reserve(pm, "a", ReserveSeen::SoldOut).is_some());
+        assert!(p
+            .on_reserve(pm, "a", ReserveSeen::SoldOut, &mut AcceptedBudget::unlimited())
+            .is_some());
         assert!(!p.stock_check_due(50));
         assert!(p.stock_check_due(100));
         assert_eq!(p.on_stock_observed(0, 100).map(|u| u.sold_out), None);
@@ -492,7 +562,9 @@ mod tests {
     fn replica_ignores_older_revisions() {
         let mut p = SkuPartition::new(key(), limits(), 0);
         let pm = permit(&mut p, "a", 0);
-        let first = p.on_reserve(pm, "a", ReserveSeen::SoldOut).expect("flip");
+        let first = p
+            .on_reserve(pm, "a", ReserveSeen::SoldOut, &mut AcceptedBudget::unlimited())
+            .expect("flip");
         let second = p.on_stock_returned().expect("flip back");
         let mut replica = SkuReplica::default();
         assert!(replica.apply(&second));
@@ -572,7 +644,7 @@ mod tests {
                             let seen = if ok { ReserveSeen::Accepted(accepted(n, "h")) }
                                 else if sold { ReserveSeen::SoldOut } else { ReserveSeen::Other };
                             let accepted_now = ok && (p.accepted_len() < lim.accepted_max);
-                            if let Some(u) = p.on_reserve(permit, &id, seen) { replica.apply(&u); }
+                            if let Some(u) = p.on_reserve(permit, &id, seen, &mut AcceptedBudget::unlimited()) { replica.apply(&u); }
                             if accepted_now { seen_accepted.insert(id); }
                         }
                     }

@@ -94,6 +94,9 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         mesh_capacity: 1_024,
         partition: crate::partition::PartitionLimits::for_stock(100_000),
         skus_tracked_max: 4_096,
+        // ~115 MB per shard at ~570 bytes per entry: 20 hot SKUs of 10,000 units each keep
+        // every replay local.
+        accepted_per_shard_max: 200_000,
         reservation_ttl_ms_default: 5 * 60 * 1000,
         overloaded_retry_ms: 200,
         busy_retry_ms: 1_000,

@@ -241,6 +241,7 @@ fn drained_run_checks_orders_and_invariants_in_postgres() {
     assert!((0.0..=1.0).contains(&ratio), "{ratio}");
     let orders = report.orders.as_ref().unwrap();
     assert!(orders.order_delay_ms_max.is_some_and(|ms| ms >= 0.0));
+    eprintln!("order delay: {orders:?}, within 3 s: {ratio}");
     let redis = report.redis.as_ref().unwrap();
     assert_eq!(redis.by_status.get("ORDER_CREATED"), Some(&100), "{redis:?}");
 

@@ -61,6 +61,9 @@ pub struct EdgeConfig {
     pub partition: PartitionLimits,
     /// SKUs a shard keeps local state for; others share one admission bucket.
     pub skus_tracked_max: usize,
+    /// Accepted-map entries (local replays) one shard keeps over all its SKUs (~570 bytes
+    /// each); beyond it replays are answered by Redis.
+    pub accepted_per_shard_max: usize,
     /// Reservation TTL used when a SKU's `meta` cannot be read.
     pub reservation_ttl_ms_default: u64,
     pub overloaded_retry_ms: u64,
@@ -153,6 +156,8 @@ pub struct Shard {
     pub modes: RefCell<crate::control::ShardModes>,
     /// Submissions this shard works on as owner (admission's local in-flight).
     pub submits_in_flight: Cell<u32>,
+    /// What is left of `accepted_per_shard_max`.
+    pub accepted_budget: RefCell<crate::partition::AcceptedBudget>,
 }
 
 impl Shard {
@@ -306,6 +311,9 @@ pub async fn run(start: ShardStart) {
         redis_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.redis_circuit)),
         modes: RefCell::new(crate::control::ShardModes::new(&shared.modes)),
         submits_in_flight: Cell::new(0),
+        accepted_budget: RefCell::new(crate::partition::AcceptedBudget::new(
+            shared.config.accepted_per_shard_max,
+        )),
     });
     spawn_mesh_receivers(&shard, receivers);
     if let Some(rx) = sync_rx {

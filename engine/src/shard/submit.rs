@@ -329,8 +329,12 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &OwnedSubmit<'_>) -> SubmitAns
         classify_reserve(shard, &result, &reservation_id, &message_id, &s.payload_hash);
     // The untracked bucket shares admission only: never let one SKU's stock flip it.
     let seen = if tracked { seen } else { ReserveSeen::Other };
-    if let Some(update) = shard.with_partition(s.key, |p| p.on_reserve(permit, s.request_id, seen))
-    {
+    // Both borrows end here, before any await.
+    let update = {
+        let mut budget = shard.accepted_budget.borrow_mut();
+        shard.with_partition(s.key, |p| p.on_reserve(permit, s.request_id, seen, &mut budget))
+    };
+    if let Some(update) = update {
         shard.broadcast(update);
     }
     match (&result, answer) {
