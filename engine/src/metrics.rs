@@ -79,6 +79,12 @@ pub struct ShardMetrics {
     pub publish_circuit: AtomicU64,
     pub request_latency: Histogram,
     pub lua_latency: Histogram,
+    /// Compensations this shard applied (`compensate` answered APPLIED; repeats excluded).
+    pub compensations: AtomicU64,
+    /// Reservations in the `resv:pending` sets of the SKUs this shard owns, as last sampled
+    /// by its scanner, and the age of the oldest (ms since its `reserved_at`).
+    pub reservations_pending: AtomicU64,
+    pub oldest_pending_age_ms: AtomicU64,
     /// Requests being answered right now (connections' routes and forwarded submits); a
     /// stopping shard waits for the sum over shards to reach zero.
     pub requests_in_flight: AtomicU64,
@@ -146,7 +152,7 @@ impl EdgeMetrics {
                 outcome.http().1
             );
         }
-        let counters: [(&str, Field); 9] = [
+        let counters: [(&str, Field); 11] = [
             ("flashsale_republished_total", |s| &s.republished),
             ("flashsale_stuck_reservations_total", |s| &s.stuck_reservations),
             ("flashsale_sold_out_fast_path_total", |s| &s.sold_out_fast_path),
@@ -156,6 +162,8 @@ impl EdgeMetrics {
             ("flashsale_connections_refused_total", |s| &s.connections_refused),
             ("flashsale_connections_open", |s| &s.connections_open),
             ("flashsale_requests_in_flight", |s| &s.requests_in_flight),
+            ("flashsale_compensations_total", |s| &s.compensations),
+            ("flashsale_reservations_pending", |s| &s.reservations_pending),
         ];
         for (name, field) in counters {
             let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
@@ -173,6 +181,18 @@ impl EdgeMetrics {
                 self.sum(field)
             );
         }
+        let oldest_ms = self
+            .shards
+            .iter()
+            .map(|s| s.oldest_pending_age_ms.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "# TYPE flashsale_reservations_oldest_pending_age_seconds gauge\n\
+             flashsale_reservations_oldest_pending_age_seconds {}",
+            oldest_ms as f64 / 1000.0
+        );
         let _ = writeln!(out, "# TYPE flashsale_circuit_state gauge");
         for (dependency, field) in
             [("redis", (|s| &s.redis_circuit) as Field), ("log_publish", |s| &s.publish_circuit)]

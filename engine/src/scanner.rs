@@ -68,6 +68,7 @@ pub fn spawn(shard: &Rc<Shard>, config: ScannerConfig) {
                     owned = skus;
                 }
                 refreshed_ms = now;
+                sample_pending(&shard, &owned, now).await;
             }
             for key in &owned {
                 sweep(&shard, *key, &config).await;
@@ -91,6 +92,39 @@ async fn read_owned_skus(shard: &Shard) -> Option<Vec<SkuKey>> {
             .filter(|key| shard.shared.table.owner(*key) == shard.id)
             .collect(),
     )
+}
+
+/// The `flashsale_reservations_pending` and oldest-pending-age gauges of this shard: `ZCARD`
+/// of each owned SKU's `resv:pending`, and `reserved_at` of its entry with the lowest score
+/// (the most overdue: scores are next-retry times). A failed read leaves the last sample.
+async fn sample_pending(shard: &Shard, owned: &[SkuKey], now: u64) {
+    let client = shard.functions.client();
+    let mut pending = 0u64;
+    let mut oldest_ms = 0u64;
+    for key in owned {
+        let keys = shard.sku_keys(*key);
+        let pending_key = keys.pending().as_bytes();
+        let Ok(count) = client.command(&[b"ZCARD", pending_key]).await else { return };
+        pending += count.as_int().map_or(0, |n| n.max(0) as u64);
+        let Ok(head) = client.command(&[b"ZRANGE", pending_key, b"0", b"0"]).await else {
+            return;
+        };
+        let Some(id) = head.as_array().and_then(|a| a.first()).and_then(|r| r.as_str()) else {
+            continue;
+        };
+        let Ok(resv_key) = keys.resv(id) else { continue };
+        let reserved_at = client
+            .command(&[b"HGET", resv_key.as_bytes(), b"reserved_at"])
+            .await
+            .ok()
+            .and_then(|r| r.as_str().and_then(|t| t.parse::<u64>().ok()));
+        if let Some(at) = reserved_at {
+            oldest_ms = oldest_ms.max(now.saturating_sub(at));
+        }
+    }
+    let metrics = shard.metrics();
+    metrics.reservations_pending.store(pending, Ordering::Relaxed);
+    metrics.oldest_pending_age_ms.store(oldest_ms, Ordering::Relaxed);
 }
 
 /// Claims and republishes one SKU's due entries until none is due (bounded per sweep).

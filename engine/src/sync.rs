@@ -150,6 +150,9 @@ pub async fn apply(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(), Sc
                 now_ms: now,
             };
             let reply = shard.functions.compensate(&keys, &args).await?;
+            if matches!(reply, CompensateReply::Applied { .. }) {
+                shard.metrics().compensations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             if matches!(reply, CompensateReply::Applied { stock_after } if stock_after > 0)
                 && compensation.return_stock
             {

@@ -340,8 +340,15 @@ impl WorkerHandle {
                     }
                     let others_done =
                         tokio::time::timeout(timeout, futures::future::join_all(others)).await;
-                    if let Err(e) = log.flush().await {
-                        tracing::warn!(error = %e, "flushing NATS at shutdown failed");
+                    // Bounded: with NATS unreachable a flush never completes, and a stop
+                    // must not hang on it (unflushed acks mean redeliveries, which the inbox
+                    // absorbs).
+                    match tokio::time::timeout(timeout, log.flush()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::warn!(error = %e, "flushing NATS at shutdown failed")
+                        }
+                        Err(_) => tracing::warn!("flushing NATS at shutdown timed out"),
                     }
                     writers_done.is_ok() && others_done.is_ok()
                 });
@@ -502,7 +509,9 @@ async fn write_holding(
 /// One transaction on a pooled connection; a connection whose transaction failed is
 /// discarded (it may still be inside that transaction).
 async fn write(shared: &Shared, messages: &[&OrderCreate]) -> Result<Vec<WriteOutcome>, PgError> {
+    let waited = std::time::Instant::now();
     let client = shared.pool.get().await?;
+    metrics::histogram!("flashsale_pg_pool_wait_seconds").record(waited.elapsed().as_secs_f64());
     match write_batch(&client, ORDER_WRITER_CONSUMER, messages, now_ms()).await {
         Ok(outcomes) => {
             #[cfg(feature = "failpoints")]

@@ -40,12 +40,16 @@ fn with_control(config: &mut flashsale_engine::serve::ServeConfig, state_file: &
     config.edge.control.state_file = Some(state_file.to_path_buf());
 }
 
-fn metric(text: &str, prefix: &str) -> u64 {
+fn metric_f64(text: &str, prefix: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(prefix))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("metric {prefix} missing"))
+}
+
+fn metric(text: &str, prefix: &str) -> u64 {
+    metric_f64(text, prefix) as u64
 }
 
 fn stock(engine: &Engine, a: u64, s: u64) -> i64 {
@@ -509,6 +513,13 @@ fn nats_stopped_pending_is_bounded_then_every_queued_reservation_becomes_an_orde
         assert_eq!(state(&v), "SUBMIT_CLOSED", "{v}");
     }
     assert_eq!(stock(&engine, 261, 262), 100 - taken.len() as i64, "closed reserved nothing");
+    // The scanner's gauges see the unconfirmed reservations and their age.
+    wait_for_ms("the pending gauge", 10_000, || {
+        let text = engine.metrics();
+        // The first (QUEUED) one may still be pending too: its outcome event needs NATS.
+        metric(&text, "flashsale_reservations_pending ") as usize >= pending
+            && metric_f64(&text, "flashsale_reservations_oldest_pending_age_seconds ") > 0.0
+    });
 
     engine.nats.restart();
     // The scanner republishes (same message id), the worker creates the orders.
@@ -522,5 +533,31 @@ fn nats_stopped_pending_is_bounded_then_every_queued_reservation_becomes_an_orde
     wait_for_ms("submissions reopen", 30_000, || {
         state(&engine.submit(&mut c, 200, 261, 262, "n-200").1) == "QUEUED"
     });
+    wait_for_ms("the pending gauge back to 0", 10_000, || {
+        metric(&engine.metrics(), "flashsale_reservations_pending ") == 0
+    });
     engine.assert_invariants(261, 262);
+}
+
+#[test]
+fn stopping_while_nats_is_down_does_not_hang() {
+    let mut engine = Engine::start_with(|c| {
+        let mut worker = small_worker(c);
+        worker.shutdown_timeout_ms = 1_000;
+        c.worker = Some(worker);
+    });
+    engine.create_activity(271, 272, 5);
+    let mut c = HttpClient::connect(engine.http());
+    assert_eq!(state(&engine.submit(&mut c, 1, 271, 272, "h-1").1), "QUEUED");
+    engine.nats.kill();
+    // The stop runs on a thread of its own so that a hang fails the test instead of blocking it
+    // (the worker's final NATS flush used to wait forever).
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let stopper = std::thread::spawn(move || {
+        engine.terminate(Duration::ZERO);
+        let _ = done_tx.send(());
+        engine
+    });
+    done_rx.recv_timeout(Duration::from_secs(60)).expect("the engine stopped with NATS down");
+    drop(stopper.join().unwrap());
 }

@@ -538,6 +538,7 @@ fn redis_sync_applies_results_and_compensation_clears_sold_out() {
         "1",
         "stock returned exactly once"
     );
+    assert_eq!(metric(&engine.metrics(), "flashsale_compensations_total"), 1, "counted once");
     // The sold-out flag cleared on every shard: a new buyer gets the returned unit.
     let mut c3 = HttpClient::connect(engine.http());
     let (status, v) = engine.submit(&mut c3, 6, 83, 84, "e-6");

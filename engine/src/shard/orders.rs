@@ -504,6 +504,9 @@ pub async fn apply_order_cancelled(
         now_ms: now_ms(),
     };
     let reply = shard.functions.compensate(&keys, &args).await?;
+    if matches!(reply, CompensateReply::Applied { .. }) {
+        shard.metrics().compensations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     if event.return_stock
         && matches!(reply, CompensateReply::Applied { stock_after } if stock_after > 0)
     {
