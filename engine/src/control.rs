@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flashsale_io::log::async_nats;
-use flashsale_io::log::{LagSample, LogLag};
+use flashsale_io::log::LogLag;
 
 use crate::admission::Backlog;
 use crate::modes::{Applied, ControlKey, EffectiveMode, ModeConfig, ModeError, ModeTable};
@@ -326,46 +326,61 @@ impl Health {
 }
 
 /// Polls the `order-writer` backlog and pings PostgreSQL (on a connection of its own, so a
-/// busy pool never reads as an outage) every `every`, each bounded by `every`.
+/// busy pool never reads as an outage) every `every`, each call bounded by `every`. The two
+/// run side by side: a hung PostgreSQL connect must not age the backlog sample into
+/// BACKLOG_UNKNOWN, nor a slow JetStream answer PostgreSQL's contact into PG_OUTAGE.
 pub async fn poll_health(
     log: flashsale_io::log::Log,
     pg_url: String,
     health: Arc<Health>,
     every: Duration,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut pg: Option<tokio_postgres::Client> = None;
-    loop {
-        let now = crate::shard::now_ms();
-        match tokio::time::timeout(every, log.poll_order_writer_lag(now)).await {
-            Ok(Ok(sample)) => health.lag.store(sample, crate::shard::now_ms()),
-            Ok(Err(e)) => tracing::debug!(error = %e, "backlog poll failed"),
-            Err(_) => tracing::debug!("backlog poll timed out"),
-        }
-        if pg.as_ref().is_none_or(tokio_postgres::Client::is_closed) {
-            pg = tokio::time::timeout(every, connect(&pg_url)).await.ok().flatten();
-        }
-        if let Some(client) = &pg {
-            match tokio::time::timeout(every, client.simple_query("SELECT 1")).await {
-                Ok(Ok(_)) => health.pg_ok_at_ms.store(crate::shard::now_ms(), Ordering::Relaxed),
-                _ => pg = None,
+    let backlog = {
+        let (health, mut stop) = (Arc::clone(&health), stop.clone());
+        async move {
+            loop {
+                let now = crate::shard::now_ms();
+                match tokio::time::timeout(every, log.poll_order_writer_lag(now)).await {
+                    Ok(Ok(sample)) => health.lag.store(sample, crate::shard::now_ms()),
+                    Ok(Err(e)) => tracing::debug!(error = %e, "backlog poll failed"),
+                    Err(_) => tracing::debug!("backlog poll timed out"),
+                }
+                if pause(every, &mut stop).await {
+                    return;
+                }
             }
         }
-        if pause(every, &mut stop).await {
-            return;
+    };
+    let postgres = {
+        let mut stop = stop;
+        async move {
+            let mut pg: Option<tokio_postgres::Client> = None;
+            loop {
+                if pg.as_ref().is_none_or(tokio_postgres::Client::is_closed) {
+                    pg = tokio::time::timeout(every, connect(&pg_url)).await.ok().flatten();
+                }
+                if let Some(client) = &pg {
+                    match tokio::time::timeout(every, client.simple_query("SELECT 1")).await {
+                        Ok(Ok(_)) => {
+                            health.pg_ok_at_ms.store(crate::shard::now_ms(), Ordering::Relaxed)
+                        }
+                        _ => pg = None,
+                    }
+                }
+                if pause(every, &mut stop).await {
+                    return;
+                }
+            }
         }
-    }
+    };
+    tokio::join!(backlog, postgres);
 }
 
 async fn connect(url: &str) -> Option<tokio_postgres::Client> {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.ok()?;
     tokio::spawn(connection);
     Some(client)
-}
-
-/// A sample as `LogLag` stores it (tests inject backlogs with it).
-pub fn store_backlog(health: &Health, pending: u64, oldest_pending_age_ms: u64, now_ms: u64) {
-    health.lag.store(LagSample { pending, oldest_pending_age_ms }, now_ms);
 }
 
 #[cfg(test)]

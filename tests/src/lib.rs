@@ -63,6 +63,28 @@ impl Private {
         self.server.kill();
     }
 
+    /// SIGSTOP: the server hangs (connections are accepted by the kernel, nothing answers),
+    /// as a stalled host or a network partition without resets looks; [`Private::thaw`]
+    /// resumes it.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Signals the server and its direct children (PostgreSQL's backends each lead a session
+    /// of their own, so the process group would miss them).
+    fn signal(&self, signal: &str) {
+        let pid = self.server.pid.to_string();
+        // pkill exits 1 when there is no child: not an error here.
+        let _ = std::process::Command::new("pkill").args([signal, "-P", &pid]).status();
+        let status =
+            std::process::Command::new("kill").args([signal, &pid]).status().expect("run kill");
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Starts the server again on the same port and data directory (after `kill`, or
     /// stops it first if it is still running).
     pub fn restart(&mut self) {

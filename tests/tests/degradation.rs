@@ -561,3 +561,57 @@ fn stopping_while_nats_is_down_does_not_hang() {
     done_rx.recv_timeout(Duration::from_secs(60)).expect("the engine stopped with NATS down");
     drop(stopper.join().unwrap());
 }
+
+#[test]
+fn a_hung_postgres_reads_as_an_outage_and_the_backlog_stays_known() {
+    // A cluster of its own: the suite's shared one must never stop.
+    let pg = flashsale_tests::postgres();
+    let db = TestDb { url: pg.url(), name: "postgres".into() };
+    let engine = Engine::start_on(db, |c| {
+        c.worker = Some(small_worker(c));
+        c.edge.admission = flashsale_engine::admission::Budgets::default();
+    });
+    engine.create_activity(281, 282, 100);
+    let mut c = HttpClient::connect(engine.http());
+    let mut queued = vec![(1u64, "f-1".to_string())];
+    assert_eq!(state(&engine.submit(&mut c, 1, 281, 282, "f-1").1), "QUEUED");
+
+    // Frozen, not dead: every PostgreSQL call hangs until its own timeout.
+    pg.freeze();
+    let frozen_at = Instant::now();
+    let mut reasons = HashMap::new();
+    let mut user = 10u64;
+    while frozen_at.elapsed() < Duration::from_secs(6) {
+        user += 1;
+        let id = format!("f-{user}");
+        let (_, v) = engine.submit(&mut c, user, 281, 282, &id);
+        match state(&v) {
+            "QUEUED" => queued.push((user, id)),
+            "SUBMIT_CLOSED" => {
+                *reasons.entry(v["reason_code"].as_str().unwrap_or("").to_owned()).or_insert(0) += 1
+            }
+            other => panic!("unexpected while PostgreSQL hangs: {other} {v}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    pg.thaw();
+    // The backlog poll does not wait on PostgreSQL: the closure says why (never
+    // BACKLOG_UNKNOWN).
+    assert!(reasons.contains_key("PG_OUTAGE"), "{reasons:?}");
+    assert!(
+        reasons.keys().all(|r| ["PG_OUTAGE", "BACKLOG_AGE", "BACKLOG_COUNT"].contains(&r.as_str())),
+        "{reasons:?}"
+    );
+    for (user, id) in &queued {
+        wait_for_ms("every queued buyer gets an order", 60_000, || {
+            let (_, v) = engine.query(&mut c, *user, 281, 282, id);
+            assert_ne!(state(&v), "FAILED", "{v}");
+            state(&v) == "SUCCEEDED"
+        });
+    }
+    wait_for_ms("submissions reopen", 30_000, || {
+        user += 1;
+        state(&engine.submit(&mut c, user, 281, 282, &format!("f-{user}")).1) == "QUEUED"
+    });
+    engine.assert_invariants(281, 282);
+}
