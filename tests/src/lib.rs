@@ -519,6 +519,21 @@ pub fn state(v: &serde_json::Value) -> &str {
     v["state"].as_str().unwrap_or("")
 }
 
+/// The value of the first line of a Prometheus exposition that starts with `prefix`; panics
+/// when there is none.
+pub fn metric_f64(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("metric {prefix} missing"))
+}
+
+/// [`metric_f64`] of a counter or an integer gauge.
+pub fn metric(text: &str, prefix: &str) -> u64 {
+    metric_f64(text, prefix) as u64
+}
+
 /// Polls `f` every 50 ms until it holds; panics naming `what` after `timeout_ms`.
 pub fn wait_for_ms(what: &str, timeout_ms: u64, mut f: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms);

@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use flashsale_engine::modes::{sign, ControlKey, Mode, ModeSnapshot, Scope};
-use flashsale_tests::{redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient, TestDb};
+use flashsale_tests::{
+    metric, metric_f64, redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient, TestDb,
+};
 
 const CONTROL: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 const OTHER_KEY: &str = "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100";
@@ -40,16 +42,20 @@ fn with_control(config: &mut flashsale_engine::serve::ServeConfig, state_file: &
     config.edge.control.state_file = Some(state_file.to_path_buf());
 }
 
-fn metric_f64(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("metric {prefix} missing"))
-}
-
-fn metric(text: &str, prefix: &str) -> u64 {
-    metric_f64(text, prefix) as u64
+/// Waits until every `(user, request id)` is SUCCEEDED (an order); FAILED fails the test.
+fn wait_all_ordered<'a>(
+    engine: &Engine,
+    c: &mut HttpClient,
+    (a, s): (u64, u64),
+    requests: impl IntoIterator<Item = (u64, &'a str)>,
+) {
+    for (user, id) in requests {
+        wait_for_ms("every queued buyer gets an order", 60_000, || {
+            let (_, v) = engine.query(c, user, a, s, id);
+            assert_ne!(state(&v), "FAILED", "{v}");
+            state(&v) == "SUCCEEDED"
+        });
+    }
 }
 
 fn stock(engine: &Engine, a: u64, s: u64) -> i64 {
@@ -275,13 +281,7 @@ fn postgres_outage_closes_submissions_and_the_backlog_drains_without_duplicates(
     // as PostgreSQL answers, and the backlog age falls back inside its budget.
     eprintln!("submissions reopened {:?} after PostgreSQL restarted", restarted_at.elapsed());
     // Every queued buyer gets exactly one order.
-    for (user, id) in &queued {
-        wait_for_ms("the backlog drains", 60_000, || {
-            let (_, v) = engine.query(&mut c, *user, 221, 222, id);
-            assert_ne!(state(&v), "FAILED", "{v}");
-            state(&v) == "SUCCEEDED"
-        });
-    }
+    wait_all_ordered(&engine, &mut c, (221, 222), queued.iter().map(|(u, id)| (*u, id.as_str())));
     engine.assert_invariants(221, 222);
     assert_eq!(stock(&engine, 221, 222), 500 - queued.len() as i64);
 }
@@ -336,13 +336,7 @@ fn sigterm_under_load_loses_and_duplicates_nothing() {
     // exactly one order, nothing else is sold.
     engine.restart_with(|c| c.worker = Some(small_worker(c)));
     let mut c = HttpClient::connect(engine.http());
-    for (user, id, _) in &taken {
-        wait_for_ms("every queued request becomes an order", 60_000, || {
-            let (_, v) = engine.query(&mut c, *user, 231, 232, id);
-            assert_ne!(state(&v), "FAILED", "{v}");
-            state(&v) == "SUCCEEDED"
-        });
-    }
+    wait_all_ordered(&engine, &mut c, (231, 232), taken.iter().map(|(u, id, _)| (*u, id.as_str())));
     engine.assert_invariants(231, 232);
     wait_for_ms("Redis settles", 20_000, || {
         redis_cmd(&engine.redis, &["ZCARD", "seckill:{231:232}:resv:pending"]) == "0"
@@ -523,13 +517,7 @@ fn nats_stopped_pending_is_bounded_then_every_queued_reservation_becomes_an_orde
 
     engine.nats.restart();
     // The scanner republishes (same message id), the worker creates the orders.
-    for (user, id) in &taken {
-        wait_for_ms("every queued reservation becomes an order", 60_000, || {
-            let (_, v) = engine.query(&mut c, *user, 261, 262, id);
-            assert_ne!(state(&v), "FAILED", "{v}");
-            state(&v) == "SUCCEEDED"
-        });
-    }
+    wait_all_ordered(&engine, &mut c, (261, 262), taken.iter().map(|(u, id)| (*u, id.as_str())));
     wait_for_ms("submissions reopen", 30_000, || {
         state(&engine.submit(&mut c, 200, 261, 262, "n-200").1) == "QUEUED"
     });
@@ -602,13 +590,7 @@ fn a_hung_postgres_reads_as_an_outage_and_the_backlog_stays_known() {
         reasons.keys().all(|r| ["PG_OUTAGE", "BACKLOG_AGE", "BACKLOG_COUNT"].contains(&r.as_str())),
         "{reasons:?}"
     );
-    for (user, id) in &queued {
-        wait_for_ms("every queued buyer gets an order", 60_000, || {
-            let (_, v) = engine.query(&mut c, *user, 281, 282, id);
-            assert_ne!(state(&v), "FAILED", "{v}");
-            state(&v) == "SUCCEEDED"
-        });
-    }
+    wait_all_ordered(&engine, &mut c, (281, 282), queued.iter().map(|(u, id)| (*u, id.as_str())));
     wait_for_ms("submissions reopen", 30_000, || {
         user += 1;
         state(&engine.submit(&mut c, user, 281, 282, &format!("f-{user}")).1) == "QUEUED"

@@ -4,15 +4,7 @@
 
 use std::time::Duration;
 
-use flashsale_tests::{redis_cmd, state, wait_for_ms, Engine, HttpClient};
-
-fn metric(text: &str, line_prefix: &str) -> u64 {
-    text.lines()
-        .find(|l| l.starts_with(line_prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("metric {line_prefix} missing"))
-}
+use flashsale_tests::{metric, redis_cmd, state, wait_for_ms, Engine, HttpClient};
 
 #[test]
 fn reserve_replay_conflict_duplicate_user_and_sell_out() {

@@ -132,43 +132,16 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
 /// fleet), then put into the replicated mode bucket, then applied here; every other instance
 /// applies it from the bucket.
 async fn post_mode(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
-    use crate::control::{kv_key, ControlError};
-    use crate::modes::SignedSnapshot;
-    let modes = &shard.shared.modes;
-    let refused = |e: ControlError| {
-        let (code, reason) = e.http();
-        tracing::warn!(error = %e, "mode snapshot refused");
-        let status = Status::from_code(code).unwrap_or(Status::BadRequest);
-        (status, json!({"state": "REFUSED", "reason_code": reason, "error": e.to_string()}))
-    };
-    let text = std::str::from_utf8(body).unwrap_or("");
-    let signed = match SignedSnapshot::from_json(text) {
+    let signed = match accept_mode(shard, body).await {
         Ok(signed) => signed,
         Err(e) => {
-            let (status, body) = refused(ControlError::Mode(e));
+            let (code, reason) = e.http();
+            tracing::warn!(error = %e, "mode snapshot refused");
+            let status = Status::from_code(code).unwrap_or(Status::BadRequest);
+            let body = json!({"state": "REFUSED", "reason_code": reason, "error": e.to_string()});
             return (status, body.to_string());
         }
     };
-    if let Err(e) = modes.check(&signed, now_ms()) {
-        let (status, body) = refused(e);
-        return (status, body.to_string());
-    }
-    let key = kv_key(signed.snapshot.scope);
-    let value = signed.to_json();
-    let put =
-        shard.shared.durable.call(|reply| DurableRequest::PutMode { key, value, reply }).await;
-    if let Err(e) = put {
-        let (status, body) = refused(ControlError::Store(e.to_string()));
-        return (status, body.to_string());
-    }
-    // The watcher may already have applied our own put: a stale version then means "done".
-    match modes.apply(&signed, now_ms()) {
-        Ok(_) | Err(ControlError::Mode(crate::modes::ModeError::StaleVersion { .. })) => {}
-        Err(e) => {
-            let (status, body) = refused(e);
-            return (status, body.to_string());
-        }
-    }
     let snapshot = &signed.snapshot;
     let body = json!({
         "state": "ACCEPTED",
@@ -179,6 +152,31 @@ async fn post_mode(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
         "expires_at_ms": snapshot.expires_at_ms,
     });
     (Status::Ok, body.to_string())
+}
+
+/// Checks, replicates and applies one signed snapshot (the steps of [`post_mode`]).
+async fn accept_mode(
+    shard: &Rc<Shard>,
+    body: &[u8],
+) -> Result<crate::modes::SignedSnapshot, crate::control::ControlError> {
+    use crate::control::{kv_key, ControlError};
+    let modes = &shard.shared.modes;
+    let text = std::str::from_utf8(body).unwrap_or("");
+    let signed = crate::modes::SignedSnapshot::from_json(text).map_err(ControlError::Mode)?;
+    modes.check(&signed, now_ms())?;
+    let key = kv_key(signed.snapshot.scope);
+    let value = signed.to_json();
+    shard
+        .shared
+        .durable
+        .call(|reply| DurableRequest::PutMode { key, value, reply })
+        .await
+        .map_err(|e| ControlError::Store(e.to_string()))?;
+    // The watcher may already have applied our own put: a stale version then means "done".
+    match modes.apply(&signed, now_ms()) {
+        Ok(_) | Err(ControlError::Mode(crate::modes::ModeError::StaleVersion { .. })) => Ok(signed),
+        Err(e) => Err(e),
+    }
 }
 
 /// `GET /admin/v1/mode`: the global scope's effective mode and its snapshot.
