@@ -74,14 +74,17 @@ end
 -- ---------------------------------------------------------------------------------------------
 -- reserve: one atomic pre-reservation attempt (DESIGN.md section 4).
 --
--- KEYS: 1 meta, 2 stock, 3 user:<user_id>, 4 req:<request_id>, 5 resv:<reservation_id>,
+-- KEYS: 1 meta, 2 stock, 3 user:<user_id>, 4 req:<user_id>:<request_id>,
+--       5 resv:<reservation_id>,
 --       6 resv:pending, 7 soldout                      (all `seckill:{A:S}:`-prefixed)
 -- ARGV: 1 request_id, 2 user_id, 3 payload_hash, 4 reservation_id, 5 message_id, 6 now_ms,
 --       7 pending_grace_ms
 -- Reply: always the flat array
---   [code, reservation_id, message_id, state, order_id, reason_code, stock_after]
+--   [code, reservation_id, message_id, state, order_id, reason_code, stock_after, expires_at]
 --   with "" for absent strings; stock_after is an integer: stock left after this call for
---   CREATED, 0 for SOLD_OUT, -1 when stock was not read. code is one of
+--   CREATED, 0 for SOLD_OUT, -1 when stock was not read; expires_at is the integer
+--   resv.expires_at (now_ms + meta.reservation_ttl_ms) for CREATED, -1 otherwise (so the
+--   caller never reads the TTL itself). code is one of
 --     CREATED              ids of the new reservation, state QUEUED_PENDING
 --     IDEMPOTENT           same request_id and payload_hash seen before: its stored ids, state,
 --                          order_id and reason_code (nothing written)
@@ -110,7 +113,8 @@ local function reserve(keys, args)
   if not grace_ms then return bad('pending_grace_ms') end
   local p = prefix_of(keys[1], 'meta')
   if not p or keys[2] ~= p .. 'stock' or keys[3] ~= p .. 'user:' .. user_id
-      or keys[4] ~= p .. 'req:' .. request_id or keys[5] ~= p .. 'resv:' .. reservation_id
+      or keys[4] ~= p .. 'req:' .. user_id .. ':' .. request_id
+      or keys[5] ~= p .. 'resv:' .. reservation_id
       or keys[6] ~= p .. 'resv:pending' or keys[7] ~= p .. 'soldout' then
     return bad('keys')
   end
@@ -121,24 +125,26 @@ local function reserve(keys, args)
   if req[1] then
     if req[1] == payload_hash then
       return { 'IDEMPOTENT', req[2] or '', req[3] or '', req[4] or '', req[5] or '',
-        req[6] or '', -1 }
+        req[6] or '', -1, -1 }
     end
-    return { 'IDEMPOTENCY_CONFLICT', '', '', '', '', '', -1 }
+    return { 'IDEMPOTENCY_CONFLICT', '', '', '', '', '', -1, -1 }
   end
 
   -- 2. Activity status and window.
   local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms', 'reservation_ttl_ms')
-  if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1 } end
-  if meta[1] ~= 'ACTIVE' then return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1 } end
+  if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1, -1 } end
+  if meta[1] ~= 'ACTIVE' then return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1, -1 } end
   local start_ms, end_ms, ttl_ms = uint(meta[2]), uint(meta[3]), uint(meta[4])
   -- Corrupt meta is a preheat bug, not a buyer's problem: refuse loudly, write nothing.
   if not (start_ms and end_ms and ttl_ms) then return bad('meta') end
-  if now_ms < start_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1 } end
-  if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1 } end
+  if now_ms < start_ms then
+    return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1, -1 }
+  end
+  if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1, -1 } end
 
   -- 3. One reservation per user.
   local held = redis.call('GET', keys[3])
-  if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1 } end
+  if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1, -1 } end
 
   -- 4. Stock.
   local stock = tonumber(redis.call('GET', keys[2]))
@@ -146,29 +152,31 @@ local function reserve(keys, args)
     -- Checked first so the sold-out path (the common one once sold out) writes nothing to
     -- replicate or append.
     if redis.call('EXISTS', keys[7]) == 0 then redis.call('SET', keys[7], '1') end
-    return { 'SOLD_OUT', '', '', '', '', '', 0 }
+    return { 'SOLD_OUT', '', '', '', '', '', 0, -1 }
   end
 
   -- 5. Create.
   local stock_after = redis.call('DECR', keys[2])
   local next_retry_at = fmt(now_ms + grace_ms)
+  local expires_at = now_ms + ttl_ms
   redis.call('SET', keys[3], reservation_id)
   redis.call('HSET', keys[4], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
     'message_id', message_id, 'state', 'QUEUED_PENDING', 'order_id', '', 'reason_code', '',
     'user_id', user_id)
   redis.call('HSET', keys[5], 'reservation_id', reservation_id, 'message_id', message_id,
     'request_id', request_id, 'user_id', user_id, 'status', 'PENDING_MESSAGE',
-    'payload_hash', payload_hash, 'reserved_at', args[6], 'expires_at', fmt(now_ms + ttl_ms),
+    'payload_hash', payload_hash, 'reserved_at', args[6], 'expires_at', fmt(expires_at),
     'send_attempts', '0', 'next_retry_at', next_retry_at, 'last_error_code', '')
   redis.call('ZADD', keys[6], next_retry_at, reservation_id)
   if stock_after <= 0 then redis.call('SET', keys[7], '1') end
-  return { 'CREATED', reservation_id, message_id, 'QUEUED_PENDING', '', '', stock_after }
+  return { 'CREATED', reservation_id, message_id, 'QUEUED_PENDING', '', '', stock_after,
+    expires_at }
 end
 
 -- ---------------------------------------------------------------------------------------------
 -- mark_sent: the order-create message of a reservation was acknowledged by the log.
 --
--- KEYS: 1 resv:<reservation_id>, 2 resv:pending, 3 req:<request_id>
+-- KEYS: 1 resv:<reservation_id>, 2 resv:pending, 3 req:<user_id>:<request_id>
 -- ARGV: 1 reservation_id, 2 now_ms, 3 order_deadline_ms
 -- Reply: bulk string
 --   OK           status PENDING_MESSAGE -> MESSAGE_SENT; req.state QUEUED_PENDING -> QUEUED
@@ -314,7 +322,7 @@ end
 -- ---------------------------------------------------------------------------------------------
 -- apply_result: write a reservation's final outcome (from PostgreSQL, via redis-sync) back.
 --
--- KEYS: 1 req:<request_id>, 2 resv:<reservation_id>, 3 resv:pending
+-- KEYS: 1 req:<user_id>:<request_id>, 2 resv:<reservation_id>, 3 resv:pending
 -- ARGV: 1 reservation_id, 2 outcome (ORDER_CREATED | FAILED), 3 order_id (required for
 --       ORDER_CREATED, "" for FAILED), 4 reason_code (required for FAILED, "" for
 --       ORDER_CREATED), 5 now_ms, 6 request_id, 7 payload_hash, 8 message_id, 9 user_id
@@ -355,7 +363,8 @@ local function apply_result(keys, args)
   if not id_ok(message_id) then return bad('message_id') end
   if not uint(user_id) then return bad('user_id') end
   local p = prefix_of(keys[3], 'resv:pending')
-  if not p or keys[1] ~= p .. 'req:' .. request_id or keys[2] ~= p .. 'resv:' .. reservation_id then
+  if not p or keys[1] ~= p .. 'req:' .. user_id .. ':' .. request_id
+      or keys[2] ~= p .. 'resv:' .. reservation_id then
     return bad('keys')
   end
 
@@ -402,12 +411,14 @@ end
 -- compensate: undo a reservation's Redis effects, once (DESIGN.md section 6, redis-sync).
 --
 -- KEYS: 1 comp:<reservation_id>, 2 stock, 3 user:<user_id>, 4 resv:<reservation_id>,
---       5 req:<request_id>, 6 resv:pending, 7 soldout
+--       5 req:<user_id>:<request_id>, 6 resv:pending, 7 soldout
 -- ARGV: 1 reservation_id, 2 return_stock (0|1), 3 release_user (0|1), 4 reason_code, 5 now_ms
 -- Reply: [code, stock] where stock is the integer stock after the call (0 if the key is missing)
 --   ALREADY_APPLIED  comp marker exists: this reservation was compensated before; no effect
---   APPLIED          SET comp (value = reason_code, no expiry: an expiring marker would allow
---                    a second return); return_stock=1 -> INCR stock, DEL soldout;
+--   APPLIED          SET comp (value = `<reason_code>|<1 if stock was returned, else 0>`, so
+--                    reconcile can count units from the marker alone; no expiry: an expiring
+--                    marker would allow a second return); return_stock=1 -> INCR stock,
+--                    DEL soldout;
 --                    release_user=1 -> DEL user key only if it still holds THIS reservation_id
 --                    (the user may hold a newer reservation); resv (if present) status =
 --                    COMPENSATED, last_error_code = reason_code, finished_at = now_ms;
@@ -437,7 +448,9 @@ local function compensate(keys, args)
   if redis.call('EXISTS', keys[1]) == 1 then
     return { 'ALREADY_APPLIED', tonumber(redis.call('GET', keys[2])) or 0 }
   end
-  redis.call('SET', keys[1], reason_code)
+  local returned = '0'
+  if return_stock then returned = '1' end
+  redis.call('SET', keys[1], reason_code .. '|' .. returned)
   local stock
   if return_stock then
     stock = redis.call('INCR', keys[2])

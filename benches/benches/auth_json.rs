@@ -17,9 +17,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use flashsale_engine::api::{parse_submit, payload_hash, SubmitFields};
-use flashsale_engine::auth::PassKeys;
-use flashsale_engine::ids::{
+use flashsale_engine::logic::api::{parse_submit, payload_hash, SubmitFields};
+use flashsale_engine::logic::auth::PassKeys;
+use flashsale_engine::logic::ids::{
     encode_ulid, ActivityId, IdGenerator, IdKind, SkuId, UserId, ULID_LEN,
 };
 use hmac::{Hmac, Mac};
@@ -188,14 +188,19 @@ fn ids(c: &mut Criterion) {
     group.bench_function("request_id_format", |b| {
         b.iter(|| {
             seq += 1;
-            let id = format!("fs-{}-{}", black_box(1usize), seq);
+            let id = format!("fs-{}-{}-{}", black_box("1234abcd"), black_box(1usize), seq);
             black_box(id.len())
         })
     });
+    let instance = flashsale_engine::logic::ids::InstanceId::from_random(0x1234_abcd);
     group.bench_function("request_id_stack", |b| {
         b.iter(|| {
             seq += 1;
-            let id = flashsale_engine::ids::GeneratedRequestId::new(black_box(1), seq);
+            let id = flashsale_engine::logic::ids::GeneratedRequestId::new(
+                black_box(&instance),
+                black_box(1),
+                seq,
+            );
             black_box(id.len())
         })
     });

@@ -1,33 +1,54 @@
-//! Order pipeline throughput: N order-create messages already in `SECKILL_ORDERS` → time until
-//! all N orders are committed by the worker (`flashsale_pg_worker::start`), for the TOKEN and
-//! ROW allocators and batch sizes 1, 8 and 32, fsync on; then pgbench running the same
-//! single-message transaction (`benches/pgbench/order_txn.sql`) against the same server, for
-//! the ratio.
+//! Order pipeline throughput and PostgreSQL's CPU per order: N order-create messages already in
+//! `SECKILL_ORDERS` → time until all N orders are committed by the worker
+//! (`flashsale_pg_worker::start`), fsync on, with the CPU the postgres processes used for it;
+//! each case is a write path (set-based or per message), a batch bound and a writer count;
+//! then, optionally, pgbench running the per-message single-message transaction
+//! (`benches/pgbench/order_txn.sql`) against the same server, for the ratio.
 //!
 //! A bench, not a timed test (`harness = false`): `cargo bench -p flashsale-benches --bench
 //! order_pipeline`. It starts its own PostgreSQL (`initdb` in a temp dir, fsync on) and a fresh
 //! nats-server per case, with the stack code of `flashsale stack up`; nothing touches the
 //! machine's servers. Each case gets a fresh database, so no case inherits another's bloat.
 //!
-//! Knobs (environment): `FLASHSALE_BENCH_ORDERS` (10000), `FLASHSALE_BENCH_WRITERS` (order
-//! writers = concurrent transactions, 4), `FLASHSALE_BENCH_BATCHES` ("1,8,32"),
-//! `FLASHSALE_BENCH_ALLOCATORS` ("TOKEN,ROW"), `FLASHSALE_BENCH_PGBENCH_CLIENTS` (8).
+//! Knobs (environment):
+//! - `FLASHSALE_BENCH_ORDERS` (10000);
+//! - `FLASHSALE_BENCH_CASES`: comma-separated `path:batch:writers[:option...]`, path `set` or
+//!   `per_message`; for `set` the batch is `fetch_max` (the adaptive bound; `fetch_min` is
+//!   min(32, batch)), for `per_message` it is `batch_max` (= `fetch_max`, at most 64); options:
+//!   `ff50` (inventory_token at fillfactor 50 before the tokens are generated), `cd`
+//!   (`commit_delay = 100`, `commit_siblings = 2` on the server for this case), `row` (the ROW
+//!   allocator instead of TOKEN), `noout` (the outbox publisher held back, to attribute
+//!   PostgreSQL's CPU; not a production setting), `fixed` (`fetch_min = fetch_max`: no
+//!   adaptive growth). Default: the issue's baseline (`per_message:32:4`), the old worker
+//!   default (`per_message:32:6`), the new default (`set:512:4`), and the set path at 512
+//!   with 2 writers and at 128 and 32 with 4;
+//! - `FLASHSALE_BENCH_REPEATS` (3): every case that many times, interleaved (case 1, case 2,
+//!   ..., case 1, ...), so a noisy spell of the shared machine spreads over all cases;
+//!   medians are reported, and ratios against the first case;
+//! - `FLASHSALE_BENCH_PGBENCH_CLIENTS` (0 = skip; the old bench ran 8).
 //!
 //! Timing: from the moment `start` returns (connected, streams and pool ready, tasks spawned)
 //! until `order-writer` is drained: nothing pending, nothing unacked (polled every 5 ms); a
 //! message is acked only after its order committed, and the count is checked afterwards.
 //! The worker's outbox publisher runs during the measurement, as in production. Every case
 //! ends with the invariant checker.
+//!
+//! PostgreSQL CPU: utime + stime of the postmaster and every live child (backends, WAL writer,
+//! checkpointer, autovacuum), plus the postmaster's cutime + cstime (children that exited
+//! meanwhile), read from /proc before and after the measured interval
+//! (`flashsale_engine::app::cpu`, shared with `flashsale demo`'s CPU table). The bench process's
+//! own CPU (worker, NATS client, the drain poll) is printed beside it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use flashsale_engine::stack::{Kind, Server};
+use flashsale_engine::app::cpu::{postgres_ticks, self_ticks, TICKS_PER_S};
+use flashsale_engine::app::stack::{Kind, Server};
 use flashsale_io::log::{Log, LogConfig};
 use flashsale_io::wire::{OrderCreate, ORDER_CREATE_EVENT_TYPE};
 use flashsale_pg_worker::{
-    check_invariants, generate_tokens, migrate, start, PgPoolConfig, WorkerConfig,
+    check_invariants, generate_tokens, migrate, start, OrderPath, PgPoolConfig, WorkerConfig,
 };
 use tokio_postgres::{Client, NoTls};
 
@@ -56,11 +77,96 @@ fn env_list(name: &str, default: &str) -> Vec<String> {
         .collect()
 }
 
-struct Case {
-    allocator: String,
+/// One configuration to measure.
+#[derive(Debug, Clone, PartialEq)]
+struct Spec {
+    path: OrderPath,
     batch: usize,
+    writers: usize,
+    allocator: &'static str,
+    /// inventory_token at fillfactor 50 (half-empty pages; the schema keeps the default 100).
+    half_empty_tokens: bool,
+    commit_delay: bool,
+    /// The ask fixed at the bound (`fetch_min = fetch_max`) instead of growing from 32.
+    fixed_ask: bool,
+    /// The outbox publisher held back during the measurement (for attribution only: in
+    /// production it runs beside the writers).
+    no_outbox: bool,
+}
+
+impl Spec {
+    fn parse(text: &str) -> Spec {
+        let parts: Vec<&str> = text.split(':').collect();
+        assert!(parts.len() >= 3, "case {text:?} is not path:batch:writers[:options]");
+        let path = match parts[0] {
+            "set" => OrderPath::SetBased,
+            "per_message" => OrderPath::PerMessage,
+            other => panic!("case {text:?}: unknown path {other:?}"),
+        };
+        let number = |s: &str| s.parse::<usize>().unwrap_or_else(|_| panic!("case {text:?}"));
+        let options = &parts[3..];
+        Spec {
+            path,
+            batch: number(parts[1]),
+            writers: number(parts[2]),
+            allocator: if options.contains(&"row") { "ROW" } else { "TOKEN" },
+            half_empty_tokens: options.contains(&"ff50"),
+            commit_delay: options.contains(&"cd"),
+            no_outbox: options.contains(&"noout"),
+            fixed_ask: options.contains(&"fixed"),
+        }
+    }
+
+    fn label(&self) -> String {
+        let path = match self.path {
+            OrderPath::SetBased => "set",
+            OrderPath::PerMessage => "per-message",
+        };
+        let mut label = format!("{path} batch {} writers {}", self.batch, self.writers);
+        if self.allocator == "ROW" {
+            label.push_str(" ROW");
+        }
+        if self.half_empty_tokens {
+            label.push_str(" fillfactor 50");
+        }
+        if self.commit_delay {
+            label.push_str(" commit_delay 100us");
+        }
+        if self.no_outbox {
+            label.push_str(" outbox held");
+        }
+        if self.fixed_ask {
+            label.push_str(" fixed ask");
+        }
+        label
+    }
+
+    fn worker_config(&self, url: String, log: LogConfig) -> WorkerConfig {
+        let (batch_max, fetch_min) = match self.path {
+            OrderPath::SetBased if self.fixed_ask => (self.batch.min(32), self.batch),
+            OrderPath::SetBased => (self.batch.min(32), self.batch.min(32)),
+            OrderPath::PerMessage => (self.batch, self.batch),
+        };
+        WorkerConfig {
+            pg: PgPoolConfig { url, pool_size: self.writers + 2, ..PgPoolConfig::default() },
+            log,
+            order_writers: self.writers,
+            order_path: self.path,
+            batch_max,
+            fetch_min,
+            fetch_max: self.batch,
+            // Held: the publisher's first round finds nothing, the next is after the case.
+            outbox_idle_ms: if self.no_outbox { 600_000 } else { 20 },
+            ..WorkerConfig::default()
+        }
+    }
+}
+
+struct Sample {
     seconds: f64,
-    startup_ms: u128,
+    pg_cpu_s: f64,
+    bench_cpu_s: f64,
+    wal_bytes: i64,
     /// The 1-minute load average before the case: the machine is shared, and a number taken
     /// while something else was busy says so here.
     load_before: String,
@@ -73,15 +179,47 @@ fn load_average() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
+async fn wal_lsn(admin: &Client) -> String {
+    admin.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.expect("wal lsn").get(0)
+}
+
+/// WAL bytes written since `lsn` (the whole server: the case is alone on it).
+async fn wal_since(admin: &Client, lsn: &str) -> i64 {
+    let row = admin
+        .query_one(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::bigint",
+            &[&lsn],
+        )
+        .await
+        .expect("wal diff");
+    row.get(0)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    let n = values.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
 fn main() {
     let orders: i64 = env_or("FLASHSALE_BENCH_ORDERS", 10_000);
-    let writers: usize = env_or("FLASHSALE_BENCH_WRITERS", 4);
-    let pgbench_clients: usize = env_or("FLASHSALE_BENCH_PGBENCH_CLIENTS", 8);
-    let batches: Vec<usize> = env_list("FLASHSALE_BENCH_BATCHES", "1,8,32")
-        .iter()
-        .filter_map(|b| b.parse().ok())
-        .collect();
-    let allocators = env_list("FLASHSALE_BENCH_ALLOCATORS", "TOKEN,ROW");
+    let repeats: usize = env_or("FLASHSALE_BENCH_REPEATS", 3);
+    let pgbench_clients: usize = env_or("FLASHSALE_BENCH_PGBENCH_CLIENTS", 0);
+    let specs: Vec<Spec> = env_list(
+        "FLASHSALE_BENCH_CASES",
+        "per_message:32:4,per_message:32:6,set:512:4,set:512:2,set:128:4,set:32:4",
+    )
+    .iter()
+    .map(|c| Spec::parse(c))
+    .collect();
+    let ticks_per_s = TICKS_PER_S as f64;
 
     let dir =
         tempfile::Builder::new().prefix("flashsale-bench-orders-").tempdir().expect("temp dir");
@@ -92,54 +230,70 @@ fn main() {
         tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     println!(
         "order pipeline: {orders} messages in the log -> {orders} committed orders; \
-         {writers} order writers; PostgreSQL fsync=on on port {}",
-        pg.0.port
+         PostgreSQL fsync=on on port {}; {repeats} rounds of {} cases, interleaved",
+        pg.0.port,
+        specs.len()
     );
 
-    let mut cases = Vec::new();
-    for allocator in &allocators {
-        for &batch in &batches {
-            let case =
-                runtime.block_on(run_case(&pg.0, dir.path(), allocator, batch, writers, orders));
+    let mut samples: Vec<Vec<Sample>> = specs.iter().map(|_| Vec::new()).collect();
+    for round in 0..repeats {
+        for (index, spec) in specs.iter().enumerate() {
+            let name = format!("bench_{index}_{round}");
+            let sample =
+                runtime.block_on(run_case(&pg.0, dir.path(), &name, spec, orders, ticks_per_s));
             println!(
-                "  {allocator:>5} batch {batch:>2}: {:>6.3} s  {:>7.0} orders/s  (worker start-up {} ms; \
-                 load average before {})",
-                case.seconds,
-                orders as f64 / case.seconds,
-                case.startup_ms,
-                case.load_before
+                "  round {round} {:<44} {:>6.3} s {:>7.0} orders/s  PG CPU {:>6.3} s = {:>4.0} us/order  \
+                 WAL {:>5.0} B/order  bench process CPU {:>5.2} s  (load average before {})",
+                spec.label(),
+                sample.seconds,
+                orders as f64 / sample.seconds,
+                sample.pg_cpu_s,
+                sample.pg_cpu_s * 1e6 / orders as f64,
+                sample.wal_bytes as f64 / orders as f64,
+                sample.bench_cpu_s,
+                sample.load_before
             );
-            cases.push(case);
+            samples[index].push(sample);
         }
     }
+    report(&specs, &mut samples, orders);
 
-    let mut pgbench_tps = Vec::new();
-    for allocator in &allocators {
-        match runtime.block_on(pgbench(&pg.0, allocator, pgbench_clients, orders)) {
-            Ok(tps) => {
-                println!("  pgbench {allocator:>5} (one message per transaction, {pgbench_clients} clients): {tps:>7.0} TPS");
-                pgbench_tps.push((allocator.clone(), tps));
-            }
-            Err(e) => println!("  pgbench {allocator}: not run ({e})"),
+    if pgbench_clients > 0 {
+        match runtime.block_on(pgbench(&pg.0, "TOKEN", pgbench_clients, orders)) {
+            Ok(tps) => println!(
+                "\npgbench TOKEN (per-message function, one message per transaction, \
+                 {pgbench_clients} clients): {tps:.0} TPS"
+            ),
+            Err(e) => println!("\npgbench: not run ({e})"),
         }
     }
+}
 
-    println!("\n| allocator | batch | orders/s | x batch 1 | x pgbench |");
-    println!("|---|---|---|---|---|");
-    for case in &cases {
-        let rate = orders as f64 / case.seconds;
-        let base = cases
-            .iter()
-            .find(|c| c.allocator == case.allocator && c.batch == 1)
-            .map(|c| format!("{:.2}", rate / (orders as f64 / c.seconds)))
-            .unwrap_or_else(|| "-".into());
-        let versus = pgbench_tps
-            .iter()
-            .find(|(a, _)| *a == case.allocator)
-            .map(|(_, tps)| format!("{:.2}", rate / tps))
-            .unwrap_or_else(|| "-".into());
-        println!("| {} | {} | {rate:.0} | {base} | {versus} |", case.allocator, case.batch);
+/// Medians per case, and ratios against the first case (measured in the same rounds).
+fn report(specs: &[Spec], samples: &mut [Vec<Sample>], orders: i64) {
+    let mut medians: Vec<(f64, f64)> = Vec::new();
+    for case in samples.iter() {
+        let mut seconds: Vec<f64> = case.iter().map(|s| s.seconds).collect();
+        let mut cpu: Vec<f64> = case.iter().map(|s| s.pg_cpu_s).collect();
+        medians.push((median(&mut seconds), median(&mut cpu)));
     }
+    println!(
+        "\n| case | {orders} orders, median s | orders/s | PG CPU us/order | x first case time | \
+         x first case PG CPU |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let (base_s, base_cpu) = medians[0];
+    for (spec, (seconds, cpu)) in specs.iter().zip(&medians) {
+        println!(
+            "| {} | {seconds:.3} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            spec.label(),
+            orders as f64 / seconds,
+            cpu * 1e6 / orders as f64,
+            seconds / base_s,
+            cpu / base_cpu
+        );
+    }
+    let _ = samples;
 }
 
 async fn connect(url: &str) -> Client {
@@ -155,7 +309,13 @@ fn db_url(pg: &Server, name: &str) -> String {
 }
 
 /// A fresh, migrated database with one ACTIVE SKU of `stock` units.
-async fn fresh_database(pg: &Server, name: &str, allocator: &str, stock: i64) -> Client {
+async fn fresh_database(
+    pg: &Server,
+    name: &str,
+    allocator: &str,
+    stock: i64,
+    half_empty_tokens: bool,
+) -> Client {
     let admin = connect(&pg.url()).await;
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await.expect("drop");
     admin.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create");
@@ -179,6 +339,12 @@ async fn fresh_database(pg: &Server, name: &str, allocator: &str, stock: i64) ->
         )
         .await
         .expect("sku");
+    if half_empty_tokens {
+        client
+            .batch_execute("ALTER TABLE inventory_token SET (fillfactor = 50)")
+            .await
+            .expect("fillfactor");
+    }
     if allocator == "TOKEN" {
         generate_tokens(&client, ACTIVITY, SKU, stock).await.expect("tokens");
     }
@@ -216,13 +382,22 @@ fn messages(count: i64) -> Vec<OrderCreate> {
 async fn run_case(
     pg: &Server,
     dir: &Path,
-    allocator: &str,
-    batch: usize,
-    writers: usize,
+    name: &str,
+    spec: &Spec,
     orders: i64,
-) -> Case {
-    let name = format!("bench_{}_{batch}", allocator.to_ascii_lowercase());
-    let client = fresh_database(pg, &name, allocator, orders).await;
+    ticks_per_s: f64,
+) -> Sample {
+    let client = fresh_database(pg, name, spec.allocator, orders, spec.half_empty_tokens).await;
+    let admin = connect(&pg.url()).await;
+    // ALTER SYSTEM refuses to run in a transaction block: one statement per call.
+    let settings = if spec.commit_delay {
+        ["ALTER SYSTEM SET commit_delay = 100", "ALTER SYSTEM SET commit_siblings = 2"]
+    } else {
+        ["ALTER SYSTEM RESET commit_delay", "ALTER SYSTEM RESET commit_siblings"]
+    };
+    for sql in settings.into_iter().chain(["SELECT pg_reload_conf()"]) {
+        admin.batch_execute(sql).await.expect("commit_delay");
+    }
     let nats_dir: PathBuf = dir.join(format!("nats_{name}"));
     let nats = Running(Server::start(Kind::Nats, &nats_dir, None).expect("start nats"));
     let log_config =
@@ -240,23 +415,12 @@ async fn run_case(
         }
     }
 
-    let config = WorkerConfig {
-        pg: PgPoolConfig {
-            url: db_url(pg, &name),
-            pool_size: writers + 2,
-            ..PgPoolConfig::default()
-        },
-        log: log_config,
-        order_writers: writers,
-        batch_max: batch,
-        fetch_max: batch,
-        ..WorkerConfig::default()
-    };
+    let config = spec.worker_config(db_url(pg, name), log_config);
     let load_before = load_average();
-    let asked = Instant::now();
     let worker = start(config).expect("start worker");
     let started = Instant::now();
-    let startup_ms = (started - asked).as_millis();
+    let (pg_before, self_before) = (postgres_ticks(pg.pid).unwrap_or(0), self_ticks());
+    let wal_before = wal_lsn(&admin).await;
     // Drained (nothing pending, nothing unacked) means every message was acked, and a message
     // is acked only after its order committed. Polling JetStream every 5 ms costs the machine
     // far less than counting orders in PostgreSQL that often.
@@ -274,6 +438,8 @@ async fn run_case(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let (pg_after, self_after) = (postgres_ticks(pg.pid).unwrap_or(0), self_ticks());
+    let wal_bytes = wal_since(&admin, &wal_before).await;
     let committed: i64 =
         client.query_one("SELECT count(*) FROM orders", &[]).await.expect("count").get(0);
     assert_eq!(committed, orders, "{name}: drained with {committed} orders");
@@ -281,7 +447,18 @@ async fn run_case(
     let report = check_invariants(&client, ACTIVITY, SKU).await.expect("invariants");
     assert!(report.ok(), "{name}: {report:#?}");
     assert_eq!(report.orders_live, orders);
-    Case { allocator: allocator.to_owned(), batch, seconds, startup_ms, load_before }
+    drop(client);
+    admin
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await
+        .expect("drop the case database");
+    Sample {
+        seconds,
+        pg_cpu_s: pg_after.saturating_sub(pg_before) as f64 / ticks_per_s,
+        bench_cpu_s: self_after.saturating_sub(self_before) as f64 / ticks_per_s,
+        wal_bytes,
+        load_before,
+    }
 }
 
 fn pgbench_binary() -> Option<PathBuf> {
@@ -300,7 +477,7 @@ fn pgbench_binary() -> Option<PathBuf> {
 async fn pgbench(pg: &Server, allocator: &str, clients: usize, orders: i64) -> Result<f64, String> {
     let binary = pgbench_binary().ok_or("pgbench not found under /usr/lib/postgresql")?;
     let name = format!("pgbench_{}", allocator.to_ascii_lowercase());
-    drop(fresh_database(pg, &name, allocator, orders + orders / 5).await);
+    drop(fresh_database(pg, &name, allocator, orders + orders / 5, false).await);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("pgbench/order_txn.sql");
     let per_client = (orders as usize).div_ceil(clients);
     let output = Command::new(binary)

@@ -7,17 +7,17 @@ use std::sync::Arc;
 
 use bytes::BytesMut;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use flashsale_engine::api;
-use flashsale_engine::auth::PassKeys;
 use flashsale_engine::http::{
     parse_request, write_response, Parsed, ResponseHead, StateBody, Status,
 };
-use flashsale_engine::ids::{ActivityId, UserId};
-use flashsale_engine::outcome::SubmitOutcome;
-use flashsale_engine::partition::{
+use flashsale_engine::logic::api;
+use flashsale_engine::logic::auth::PassKeys;
+use flashsale_engine::logic::ids::{ActivityId, UserId};
+use flashsale_engine::logic::outcome::SubmitOutcome;
+use flashsale_engine::logic::partition::{
     Accepted, AcceptedMap, AcceptedState, FastPath, ReplicaUpdate, SkuReplica,
 };
-use flashsale_engine::router::SkuKey;
+use flashsale_engine::logic::router::SkuKey;
 
 fn request(pass: &str, request_id: &str) -> Vec<u8> {
     let body = format!(
@@ -53,7 +53,7 @@ fn sold_out_path(
     assert!(pass.authorizes(submit.activity_id));
     let hash = submit.payload_hash(pass.user_id);
     let (outcome, reservation_id, replayed) =
-        match replica.fast_path(submit.request_id.as_str(), &hash) {
+        match replica.fast_path(pass.user_id.0, submit.request_id.as_str(), &hash) {
             FastPath::SoldOut => (SubmitOutcome::SoldOut, None, false),
             FastPath::Replay(entry) => (SubmitOutcome::Queued, Some(entry.reservation_id), true),
             other => unreachable!("{other:?}"),
@@ -77,14 +77,21 @@ fn bench(c: &mut Criterion) {
     let keys = PassKeys::parse("k1:0123456789abcdef0123456789abcdef").expect("keys");
     let pass = keys.mint("k1", UserId(30001), ActivityId(10001), 1_900_000_000).expect("mint");
     // A sold-out SKU whose replica knows 10,000 accepted requests.
-    let replay_hash =
-        api::payload_hash(ActivityId(10001), flashsale_engine::ids::SkuId(20001), UserId(30001), 1);
+    let replay_hash = api::payload_hash(
+        ActivityId(10001),
+        flashsale_engine::logic::ids::SkuId(20001),
+        UserId(30001),
+        1,
+    );
     let mut accepted = AcceptedMap::new();
     for i in 0..10_000 {
         let hash: Arc<str> = if i == 0 { Arc::from(replay_hash.as_str()) } else { Arc::from("x") };
+        // Buyer 30001 holds req-0; 9,999 other buyers hold one request each.
+        let user = if i == 0 { 30001 } else { 100_000 + i };
         accepted.insert(
-            Arc::from(format!("req-{i}")),
+            user,
             Accepted {
+                request_id: Arc::from(format!("req-{i}")),
                 reservation_id: Arc::from(format!("resv_{i:026}")),
                 message_id: Arc::from(format!("msg_{i:026}")),
                 payload_hash: hash,

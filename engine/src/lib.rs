@@ -1,31 +1,18 @@
-//! flashsale-engine: the edge (glommio shards, HTTP, partitions, admission — arriving with
-//! the edge issue) and the operational commands of the `flashsale` binary.
+//! flashsale-engine: the edge (glommio shards, HTTP, partitions, admission) and the
+//! operational commands of the `flashsale` binary. Four layers, each a folder, each importing
+//! only the ones below it:
 //!
-//! - [`config`]: TOML < env < flags, validated once in `main`.
-//! - [`stack`]: `flashsale stack up | down`, the private servers also used by the tests.
+//! - [`logic`], [`http`]: sans-I/O decisions and the HTTP/1.1 codec;
+//! - [`durable`]: the tokio side (log publisher, the edge's PostgreSQL jobs, `redis-sync`'s
+//!   consumer, the mode-bucket watcher and the health poller);
+//! - [`shard`]: one glommio executor per core and every task that runs on it;
+//! - [`app`]: configuration, `serve`, start-up checks, the admin CLI, the private stack.
 //!
-//! Read `ARCHITECTURE.md` at the repository root for the map of the whole workspace.
+//! `tests/tidy.rs` keeps it so. Read `ARCHITECTURE.md` at the repository root for the map of
+//! the whole workspace.
 
-pub mod admin_cli;
-pub mod admission;
-pub mod api;
-pub mod auth;
-pub mod circuit;
-pub mod config;
-pub mod control;
+pub mod app;
 pub mod durable;
 pub mod http;
-pub mod ids;
-pub mod limiter;
-pub mod metrics;
-pub mod modes;
-pub mod outcome;
-pub mod partition;
-pub mod reconcile;
-pub mod router;
-pub mod scanner;
-pub mod serve;
+pub mod logic;
 pub mod shard;
-pub mod stack;
-pub mod startup;
-pub mod sync;

@@ -8,8 +8,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use flashsale_engine::config::{self, Config, Overrides};
-use flashsale_engine::stack;
+use flashsale_engine::app::config::{self, Config, Overrides};
+use flashsale_engine::app::stack;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -46,7 +46,7 @@ enum Command {
         args: Vec<String>,
     },
     /// Control-plane calls against a running engine's admin listener (reconcile, activities).
-    Admin(flashsale_engine::admin_cli::AdminArgs),
+    Admin(flashsale_engine::app::admin_cli::AdminArgs),
 }
 
 #[derive(Args)]
@@ -88,6 +88,14 @@ struct DemoArgs {
     /// Latency and throughput picture.
     #[arg(long, default_value = "var/demo-latency.svg")]
     svg: PathBuf,
+    /// Servers per dependency: standalone, cluster (Redis Cluster 3+3) or ha (that, a 3-node
+    /// NATS cluster and a PostgreSQL primary with 2 standbys).
+    #[arg(long, default_value = "standalone")]
+    topology: String,
+    /// A fault injected a third of the way in: nats-leader, pg-primary (ha), redis-master
+    /// (cluster, ha).
+    #[arg(long)]
+    fault: Option<String>,
 }
 
 #[derive(Args)]
@@ -133,6 +141,10 @@ enum StackAction {
     Up {
         #[arg(long, default_value = config::DEFAULT_STACK_DIR)]
         dir: PathBuf,
+        /// standalone (one server each), cluster (Redis Cluster of 3 masters + 3 replicas;
+        /// FLASHSALE_REDIS_URL lists every node) or ha (not available yet).
+        #[arg(long, default_value = "standalone", value_parser = stack::Topology::parse)]
+        topology: stack::Topology,
     },
     /// Stop the stack's servers (only the processes it recorded).
     Down {
@@ -177,8 +189,8 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Stack { action: StackAction::Up { dir } } => {
-            let env = stack::up(&dir)?;
+        Command::Stack { action: StackAction::Up { dir, topology } } => {
+            let env = stack::up_with(&dir, topology)?;
             print!("{}", env.render());
             eprintln!(
                 "stack up: data under {}, env written to {}",
@@ -207,7 +219,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Admin(args) => {
             let out = &mut std::io::stdout().lock();
-            match flashsale_engine::admin_cli::run(args, &config::process_env(), out)? {
+            match flashsale_engine::app::admin_cli::run(args, &config::process_env(), out)? {
                 0 => Ok(()),
                 status => std::process::exit(i32::from(status)),
             }
@@ -226,27 +238,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn migrate(config: &Config) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    runtime.block_on(async {
-        let (mut client, connection) =
-            tokio_postgres::connect(&config.pg_url, tokio_postgres::NoTls)
-                .await
-                .with_context(|| format!("connect to PostgreSQL at {}", config.pg_url))?;
-        let driver = tokio::spawn(connection);
-        let report = flashsale_pg_worker::migrate(&mut client).await?;
-        println!(
-            "migrate: schema at version {} (applied now: {:?})",
-            report.current_version, report.applied
-        );
-        drop(client);
-        let _ = driver.await;
-        Ok(())
-    })
+    flashsale_engine::app::serve::migrate(config)
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    use flashsale_engine::auth::PassKeys;
-    use flashsale_engine::serve::{self, Pinning, ServeConfig};
+    use flashsale_engine::app::serve::{self, Pinning, ServeConfig};
+    use flashsale_engine::logic::auth::PassKeys;
 
     let overrides = Overrides {
         redis_url: args.redis_url,
@@ -269,7 +266,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "--insecure-dev-auth: accepting passes signed with the public development key \
                  (kid `dev`); never use this in production"
             );
-            PassKeys::parse(flashsale_engine::auth::DEV_PASS_KEYS)?
+            PassKeys::parse(flashsale_engine::logic::auth::DEV_PASS_KEYS)?
         }
         (None, false) => anyhow::bail!(
             "serve refuses to start without user-pass keys: set FLASHSALE_PASS_KEYS=kid:hexkey \
@@ -283,16 +280,15 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     migrate(&config)?;
-    let redis = serve::redis_addr(&config.redis_url)?;
-    let mut edge = serve::default_edge_config(redis);
+    let mut edge = serve::edge_config(&config)?;
     edge.control = control_config(&config)?;
     edge.admission = config.admission;
     if let Some(hex_key) = &config.payment_key {
-        let key = flashsale_engine::shard::orders::PaymentKey::from_hex(hex_key)
+        let key = flashsale_engine::logic::key::HmacKey::from_hex(hex_key)
             .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
         edge.payment_key = Some(key);
     }
-    let serve_config = ServeConfig {
+    let mut serve_config = ServeConfig {
         shards: config.shards,
         pins: config.pins.clone(),
         pinning: if args.no_pin { Pinning::Unpinned } else { Pinning::PinPerCore },
@@ -301,13 +297,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         pass_keys,
         admin_token: config.admin_token.clone(),
         edge,
-        durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
+        durable: serve::durable_config(&config),
         io_memory_bytes: 1 << 20,
         render_extra: Some(prometheus_recorder()?),
-        worker: (!args.no_worker)
-            .then(|| serve::default_worker_config(&config.pg_url, &config.nats_url)),
+        worker: (!args.no_worker).then(|| serve::worker_config(&config)),
     };
-    flashsale_engine::startup::warn_about_host(&serve_config);
+    serve_config.check_host();
     let handle = serve::start(serve_config)?;
     eprintln!(
         "flashsale serve: {} shards, public http://{}, admin http://{}",
@@ -322,11 +317,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// The control key and the mode state file (CONTRACT.md section 2).
-fn control_config(config: &Config) -> anyhow::Result<flashsale_engine::control::ControlConfig> {
+fn control_config(
+    config: &Config,
+) -> anyhow::Result<flashsale_engine::durable::control::ControlConfig> {
     let key = match &config.control_key {
         Some(hex) => Some(
-            flashsale_engine::modes::ControlKey::from_hex(hex)
-                .map_err(|e| anyhow::anyhow!("{e}"))?,
+            flashsale_engine::logic::modes::control_key(hex).map_err(|e| anyhow::anyhow!("{e}"))?,
         ),
         None => {
             tracing::warn!(
@@ -335,10 +331,10 @@ fn control_config(config: &Config) -> anyhow::Result<flashsale_engine::control::
             None
         }
     };
-    Ok(flashsale_engine::control::ControlConfig {
+    Ok(flashsale_engine::durable::control::ControlConfig {
         key,
         state_file: Some(config.mode_state_file.clone()),
-        modes: flashsale_engine::modes::ModeConfig::default(),
+        modes: flashsale_engine::logic::modes::ModeConfig::default(),
     })
 }
 
@@ -369,81 +365,25 @@ fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// `flashsale demo`: every step is one of the documented commands' library calls, so the
-/// demo exercises exactly what an operator runs.
+/// `flashsale demo`: `app::demo` does every step.
 fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    use flashsale_engine::auth::{PassKeys, DEV_PASS_KEYS};
-    use flashsale_engine::serve::{self, Pinning, ServeConfig};
-
-    let loadgen = sibling_binary("flashsale-loadgen")?;
-    // Every run starts from empty stores: a previous run's orders and tokens would otherwise
-    // be counted (and its sold-out tokens would reject every new reservation).
-    if args.dir.exists() {
-        stack::down(&args.dir, true)?;
-    }
-    eprintln!("demo: starting private Redis, PostgreSQL and NATS under {}", args.dir.display());
-    let env = stack::up(&args.dir)?;
-    let overrides = Overrides {
-        redis_url: Some(env.redis_url.clone()),
-        pg_url: Some(env.pg_url.clone()),
-        nats_url: Some(env.nats_url.clone()),
-        http_addr: Some("127.0.0.1:0".into()),
-        admin_addr: Some("127.0.0.1:0".into()),
-        shards: None,
+    use flashsale_engine::app::demo::{self, DemoPlan, Fault};
+    use flashsale_engine::app::stack::Topology;
+    let plan = DemoPlan {
+        dir: args.dir,
+        stock: args.stock,
+        users: args.users,
+        rate: args.rate,
+        duration_s: args.duration_s,
+        duplicate_ratio: args.duplicate_ratio,
+        shards: args.shards,
+        json: args.json,
+        svg: args.svg,
+        topology: Topology::parse(&args.topology).map_err(anyhow::Error::msg)?,
+        fault: args.fault.as_deref().map(Fault::parse).transpose().map_err(anyhow::Error::msg)?,
+        loadgen: sibling_binary("flashsale-loadgen")?,
     };
-    let config = Config::load(None, &config::Env::new(), &overrides, &args.dir)?;
-    migrate(&config)?;
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let shards = args.shards.unwrap_or((cores / 2).max(1));
-    let serve_config = ServeConfig {
-        shards,
-        pins: Vec::new(),
-        // The load generator shares these cores: let the kernel place the shards.
-        pinning: Pinning::Unpinned,
-        http_addr: config.http_addr,
-        admin_addr: config.admin_addr,
-        pass_keys: PassKeys::parse(DEV_PASS_KEYS)?,
-        admin_token: None,
-        edge: serve::default_edge_config(serve::redis_addr(&config.redis_url)?),
-        durable: serve::default_durable_config(&config.pg_url, &config.nats_url),
-        io_memory_bytes: 1 << 20,
-        render_extra: None,
-        worker: Some(serve::default_worker_config(&config.pg_url, &config.nats_url)),
-    };
-    let handle = serve::start(serve_config)?;
-    eprintln!(
-        "demo: engine up ({shards} shards) on http://{}, admin http://{}",
-        handle.http_addr, handle.admin_addr
-    );
-    for path in [&args.json, &args.svg] {
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)?;
-        }
-    }
-    let status = std::process::Command::new(loadgen)
-        .arg("--target")
-        .arg(format!("http://{}", handle.http_addr))
-        .arg("--admin")
-        .arg(format!("http://{}", handle.admin_addr))
-        .args(["--create-activity", "--activity-id", "10001", "--sku-id", "20001"])
-        .args(["--stock", &args.stock.to_string()])
-        .args(["--users", &args.users.to_string()])
-        .args(["--rate", &args.rate.to_string()])
-        .args(["--duration-s", &args.duration_s.to_string()])
-        .args(["--duplicate-ratio", &args.duplicate_ratio.to_string()])
-        .args(["--pg-url", &config.pg_url, "--redis-url", &config.redis_url])
-        .arg("--json")
-        .arg(&args.json)
-        .arg("--svg")
-        .arg(&args.svg)
-        .status()
-        .context("run flashsale-loadgen")?;
-    eprintln!("demo: stopping the engine and the private servers");
-    handle.shutdown();
-    stack::down(&args.dir, false)?;
-    anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
-    eprintln!("demo: report in {}, picture in {}", args.json.display(), args.svg.display());
-    Ok(())
+    demo::run(&plan)
 }
 
 /// `flashsale worker`: the durable pipeline alone, scaled separately from the edge.
@@ -457,8 +397,7 @@ fn worker(args: ConnWorkerArgs) -> anyhow::Result<()> {
         &args.conn.stack_dir,
     )?;
     migrate(&config)?;
-    let worker_config =
-        flashsale_engine::serve::default_worker_config(&config.pg_url, &config.nats_url);
+    let worker_config = flashsale_engine::app::serve::worker_config(&config);
     let handle = flashsale_pg_worker::worker::start(worker_config)
         .map_err(|e| anyhow::anyhow!("start the worker: {e}"))?;
     eprintln!("flashsale worker: consuming SECKILL_ORDERS into {}", config.pg_url);

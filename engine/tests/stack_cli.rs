@@ -5,7 +5,7 @@ use std::net::TcpListener;
 use std::path::Path;
 use std::process::Command;
 
-use flashsale_engine::stack::{Kind, StackEnv};
+use flashsale_engine::app::stack::{Kind, StackEnv};
 
 fn flashsale() -> Command {
     Command::new(env!("CARGO_BIN_EXE_flashsale"))
@@ -159,4 +159,67 @@ fn serve_refuses_to_start_without_pass_keys() {
         .expect("run serve");
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("FLASHSALE_ADMIN_TOKEN"));
+}
+
+/// Every process whose command line names `dir` (the servers a stack started under it).
+fn processes_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                .unwrap_or(false)
+        })
+        .filter(|pid| alive(*pid))
+        .collect()
+}
+
+#[test]
+fn topology_ha_starts_every_cluster_and_down_stops_them_all() {
+    let root = tempfile::Builder::new().prefix("flashsale-stack-ha-").tempdir().expect("tmp");
+    let dir = root.path().join("stack");
+    let up = || flashsale().args(["stack", "up", "--topology", "ha", "--dir"]).arg(&dir).output();
+    let out = up().expect("run up");
+    assert!(out.status.success(), "stack up failed: {}", String::from_utf8_lossy(&out.stderr));
+    let env = StackEnv::read(&dir).expect("DIR/env written");
+    assert_eq!(env.redis_url.matches(',').count(), 5, "six Redis seeds: {}", env.redis_url);
+    assert_eq!(env.nats_url.matches("nats://").count(), 3, "three NATS nodes: {}", env.nats_url);
+    assert!(env.pg_url.contains("target_session_attrs=read-write"), "{}", env.pg_url);
+    assert_eq!(env.pg_url.matches(',').count(), 2, "primary and two standbys: {}", env.pg_url);
+    // redis-server rewrites its process title, so the nodes are counted by their ports.
+    let redis_ports: Vec<String> =
+        env.redis_url.trim_start_matches("redis://").split(',').map(str::to_owned).collect();
+    let listening = |hp: &String| std::net::TcpStream::connect(hp.as_str()).is_ok();
+    assert!(redis_ports.iter().all(listening), "every Redis node listens: {redis_ports:?}");
+    let running = processes_under(&dir);
+    // 3 nats-server and 3 postmasters (their backends name no directory).
+    assert!(running.len() >= 6, "servers running: {running:?}");
+    let again = up().expect("run up again");
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert_eq!(StackEnv::read(&dir).expect("env"), env, "a second up reuses the stack");
+    let down = flashsale().args(["stack", "down", "--dir"]).arg(&dir).output().expect("down");
+    assert!(down.status.success(), "{}", String::from_utf8_lossy(&down.stderr));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !processes_under(&dir).is_empty() || redis_ports.iter().any(listening) {
+        assert!(std::time::Instant::now() < deadline, "left running: {:?}", processes_under(&dir));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn an_up_that_fails_part_way_stops_what_it_started() {
+    let root = tempfile::Builder::new().prefix("flashsale-stack-test-").tempdir().expect("tmp");
+    let dir = root.path().join("stack");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    // PostgreSQL's directory cannot be created (a file stands there): redis-server starts
+    // first, then PostgreSQL fails.
+    std::fs::write(dir.join(Kind::Postgres.name()), "not a directory").expect("write");
+    let out = flashsale().args(["stack", "up", "--dir"]).arg(&dir).output().expect("run up");
+    assert!(!out.status.success(), "stack up must fail");
+    let redis_pid = pid_of(&dir, Kind::Redis);
+    assert!(!alive(redis_pid), "redis-server {redis_pid} left running after a failed up");
+    println!("failed up: {}", String::from_utf8_lossy(&out.stderr).trim());
 }

@@ -6,11 +6,28 @@
 //!   of the `seckill` Redis Functions library in `lua/`.
 //! - [`log`]: the JetStream side (streams, consumers, publishing with `Nats-Msg-Id`).
 //! - [`wire`]: the order-create message and outbox event schemas.
+//! - [`key`] and [`payment`]: the one prepared HMAC key type and the payment provider's
+//!   signature scheme (callbacks, status requests and answers); pure, shared by the engine and
+//!   the worker.
 //!
 //! This crate decides nothing about business outcomes; it reports what the stores said, and
 //! says "outcome unknown" when it cannot know.
 
+pub mod key;
 pub mod log;
+pub mod payment;
 pub mod redis;
 pub mod resp;
 pub mod wire;
+
+/// The negative controls' switches (tests/tests/negative_controls.rs): failpoints that each
+/// disable one protection, so a drill can show it sees the loss that protection prevents.
+/// Compiled only with the test-only `failpoints` feature.
+#[cfg(feature = "failpoints")]
+pub(crate) mod negctl {
+    /// True while the failpoint `name` is configured (any action but `off`).
+    pub fn switched_off(name: &str) -> bool {
+        fail::fail_point!(name, |_| true);
+        false
+    }
+}

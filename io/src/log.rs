@@ -16,7 +16,12 @@
 //! - [`PullSource`] / [`Delivery`] (`consumer.rs`): pulling a batch, ack / NAK-with-delay /
 //!   TERM, and [`Publisher::dead_letter`].
 //! - [`LogLag`] (`lag.rs`): the `order-writer` pending count and oldest pending age, polled
-//!   from JetStream and readable through a cheap shared handle (the edge's admission).
+//!   from JetStream and readable through a cheap shared handle (the edge's admission);
+//!   [`Log::poll_placement`]: each replicated stream's configured and current replicas
+//!   (gauges `flashsale_log_stream_replicas{stream}` / `..._current{stream}`).
+//!
+//! Replicas: every stream and the mode bucket get `LogConfig::replicas` copies (`[log]
+//! replicas`, 1 on one machine, 3 on a cluster); an existing stream is never lowered.
 //!
 //! What it is not: a business decision. Whether a delivery is acked, NAKed or dead-lettered is
 //! the worker's sans-I/O classification (`pg-worker/src/classify.rs`); this module only does
@@ -40,7 +45,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 pub use async_nats;
 pub use consumer::header_text;
 pub use consumer::{Delivery, PullSource};
-pub use lag::{LagSample, LogLag};
+pub use lag::{record_placement, LagSample, LogLag, StreamPlacement};
 pub use publisher::{event_msg_id, PublishAck, Publisher};
 
 /// Stream of order-create messages.
@@ -66,6 +71,19 @@ pub const REDIS_SYNC_DLQ_SUBJECT: &str = "seckill.dlq.redis-sync";
 
 /// The JetStream KV bucket of degradation-mode snapshots (engine `control.rs`).
 pub const MODES_BUCKET: &str = "flashsale_modes";
+/// The stream behind [`MODES_BUCKET`] (JetStream names a bucket's stream `KV_<bucket>`).
+pub const MODES_STREAM: &str = "KV_flashsale_modes";
+/// The JetStream KV bucket of leases among engine instances (engine `durable/lease.rs`): one
+/// key per job, the holder's instance id as the value; an entry not renewed within the
+/// bucket's `max_age` is gone, and the next `create` takes the lease.
+pub const LEASES_BUCKET: &str = "flashsale_leases";
+/// The stream behind [`LEASES_BUCKET`].
+pub const LEASES_STREAM: &str = "KV_flashsale_leases";
+/// Core NATS (not JetStream) subject prefix of the "stock returned" notice every engine
+/// instance subscribes to: `seckill.notice.stock_returned.<activity>.<sku>`, empty body.
+pub const STOCK_RETURNED_PREFIX: &str = "seckill.notice.stock_returned";
+/// Every stream created with `replicas` copies, as the placement metrics name them.
+pub const REPLICATED_STREAMS: [&str; 4] = [ORDERS_STREAM, EVENTS_STREAM, DLQ_STREAM, MODES_STREAM];
 /// Header carrying W3C trace context from HTTP into messages and events.
 pub const TRACEPARENT_HEADER: &str = "traceparent";
 /// Dead letters: the error that sent the message there.
@@ -353,6 +371,63 @@ pub fn dlq_stream_config(config: &LogConfig) -> stream::Config {
     }
 }
 
+/// The mode bucket's stream (`KV_flashsale_modes`) with the KV layout `get_key_value` binds
+/// to, replicated like the log's streams.
+pub fn modes_stream_config(config: &LogConfig) -> stream::Config {
+    stream::Config {
+        name: MODES_STREAM.to_owned(),
+        description: Some("flashsale degradation-mode snapshots, one key per scope".into()),
+        subjects: vec![format!("$KV.{MODES_BUCKET}.>")],
+        max_messages_per_subject: 5,
+        max_message_size: 8 * 1024,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        discard: stream::DiscardPolicy::New,
+        num_replicas: config.replicas,
+        ..Default::default()
+    }
+}
+
+/// The lease bucket's stream (`KV_flashsale_leases`): the KV layout, one message per key,
+/// messages expiring after `lease_ms` (the lease period; the same on every instance).
+pub fn leases_stream_config(config: &LogConfig, lease_ms: u64) -> stream::Config {
+    stream::Config {
+        name: LEASES_STREAM.to_owned(),
+        description: Some("flashsale leases among engine instances, one key per job".into()),
+        subjects: vec![format!("$KV.{LEASES_BUCKET}.>")],
+        max_messages_per_subject: 1,
+        max_message_size: 1024,
+        max_age: ms(lease_ms),
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        discard: stream::DiscardPolicy::New,
+        num_replicas: config.replicas,
+        ..Default::default()
+    }
+}
+
+/// Refuses a configured replica count below what an existing stream has.
+fn refuse_lowering(stream: &str, current: usize, configured: usize) -> Result<(), LogError> {
+    if configured < current {
+        return Err(LogError::Config(format!(
+            "log replicas = {configured} ([log] replicas / FLASHSALE_LOG_REPLICAS) is below \
+             stream {stream}'s current {current} replicas: an existing stream is never lowered; \
+             set replicas = {current} (or lower the stream by hand, knowingly)"
+        )));
+    }
+    Ok(())
+}
+
+fn is_stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(
+        e.kind(),
+        jetstream::context::GetStreamErrorKind::JetStream(inner)
+            if inner.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+    )
+}
+
 /// A durable pull consumer with explicit acks and the config's delivery policy.
 pub fn pull_consumer_config(config: &LogConfig, durable: &str) -> pull::Config {
     pull::Config {
@@ -418,23 +493,59 @@ impl Log {
 
     /// Creates the three streams, or updates them to this config (idempotent: the same config
     /// again is a no-op). Immutable settings that differ (e.g. retention) are reported as
-    /// errors for an operator rather than silently kept.
+    /// errors for an operator rather than silently kept; so is a `replicas` below an existing
+    /// stream's (see [`Log::ensure_stream`]).
     pub async fn ensure_streams(&self) -> Result<(), LogError> {
         for stream_config in [
             orders_stream_config(&self.config),
             events_stream_config(&self.config),
             dlq_stream_config(&self.config),
         ] {
-            self.context.create_or_update_stream(stream_config).await.map_err(|e| {
-                let transient = matches!(
-                    e.kind(),
-                    jetstream::context::CreateStreamErrorKind::TimedOut
-                        | jetstream::context::CreateStreamErrorKind::JetStreamUnavailable
-                );
-                LogError::Api { op: "ensure stream", message: e.to_string(), transient }
-            })?;
+            self.ensure_stream(stream_config).await?;
         }
         Ok(())
+    }
+
+    /// Creates one stream or updates it to `config`. An existing stream is never lowered: a
+    /// config with fewer replicas than the stream has is refused, naming the setting and the
+    /// stream's current replicas (lowering R3 to R1 on a restart with a stale setting would
+    /// silently drop the copies that let the log survive a node). Raising is an ordinary
+    /// update; nats-server 2.9 applies it (checked by `tests/tests/ha_log.rs`).
+    pub async fn ensure_stream(&self, config: stream::Config) -> Result<(), LogError> {
+        let api = |op, e: &dyn std::fmt::Display, transient| LogError::Api {
+            op,
+            message: e.to_string(),
+            transient,
+        };
+        match self.context.get_stream(&config.name).await {
+            Ok(existing) => {
+                let current = existing.cached_info().config.num_replicas;
+                refuse_lowering(&config.name, current, config.num_replicas)?;
+            }
+            Err(e) if is_stream_not_found(&e) => {}
+            Err(e) => return Err(api("ensure stream", &e, true)),
+        }
+        self.context.create_or_update_stream(config).await.map_err(|e| {
+            let transient = matches!(
+                e.kind(),
+                jetstream::context::CreateStreamErrorKind::TimedOut
+                    | jetstream::context::CreateStreamErrorKind::JetStreamUnavailable
+            );
+            api("ensure stream", &e, transient)
+        })?;
+        Ok(())
+    }
+
+    /// Where each replicated stream's copies stand now ([`REPLICATED_STREAMS`], the mode
+    /// bucket included): configured replicas and the peers current per the stream info's
+    /// cluster section. A stream that does not answer (no leader) reports 0 current peers.
+    pub async fn poll_placement(&self) -> Vec<StreamPlacement> {
+        let mut placements = Vec::with_capacity(REPLICATED_STREAMS.len());
+        for stream in REPLICATED_STREAMS {
+            let placement = lag::placement(&self.context, stream, self.config.replicas).await;
+            placements.push(placement);
+        }
+        placements
     }
 
     /// Creates `order-writer` on `SECKILL_ORDERS` and `redis-sync` on `SECKILL_EVENTS`, or
@@ -481,21 +592,19 @@ impl Log {
             message: e.to_string(),
             transient: true,
         };
-        let config = stream::Config {
-            name: format!("KV_{MODES_BUCKET}"),
-            description: Some("flashsale degradation-mode snapshots, one key per scope".into()),
-            subjects: vec![format!("$KV.{MODES_BUCKET}.>")],
-            max_messages_per_subject: 5,
-            max_message_size: 8 * 1024,
-            allow_rollup: true,
-            deny_delete: true,
-            allow_direct: true,
-            discard: stream::DiscardPolicy::New,
-            num_replicas: self.config.replicas,
-            ..Default::default()
-        };
-        self.context.get_or_create_stream(config).await.map_err(|e| api(&e))?;
+        self.ensure_stream(modes_stream_config(&self.config)).await?;
         self.context.get_key_value(MODES_BUCKET).await.map_err(|e| api(&e))
+    }
+
+    /// The lease bucket (created or updated to `lease_ms` on first use; see
+    /// [`leases_stream_config`]).
+    pub async fn lease_store(&self, lease_ms: u64) -> Result<jetstream::kv::Store, LogError> {
+        self.ensure_stream(leases_stream_config(&self.config, lease_ms)).await?;
+        self.context.get_key_value(LEASES_BUCKET).await.map_err(|e| LogError::Api {
+            op: "lease bucket",
+            message: e.to_string(),
+            transient: true,
+        })
     }
 
     /// Sends everything buffered (acks included) to the server; call before dropping the
@@ -570,6 +679,21 @@ mod tests {
         assert_eq!(consumer.max_deliver, 20);
         assert_eq!(consumer.backoff.len(), 3);
         assert!(consumer.filter_subject.is_empty(), "2.9 servers: no filter subject");
+    }
+
+    #[test]
+    fn lowering_replicas_is_refused_naming_the_setting_and_the_current_count() {
+        let e = refuse_lowering(ORDERS_STREAM, 3, 1).unwrap_err();
+        let text = e.to_string();
+        for needle in ["[log] replicas", "FLASHSALE_LOG_REPLICAS", "SECKILL_ORDERS", "current 3"] {
+            assert!(text.contains(needle), "{needle}: {text}");
+        }
+        assert!(!e.is_transient());
+        refuse_lowering(ORDERS_STREAM, 1, 3).expect("raising is an update");
+        refuse_lowering(ORDERS_STREAM, 3, 3).expect("the same is a no-op");
+        let modes = modes_stream_config(&LogConfig { replicas: 3, ..Default::default() });
+        assert_eq!((modes.name.as_str(), modes.num_replicas), (MODES_STREAM, 3));
+        assert_eq!(format!("KV_{MODES_BUCKET}"), MODES_STREAM);
     }
 
     #[test]

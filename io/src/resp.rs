@@ -133,6 +133,10 @@ pub enum ProtocolError {
     FrameTooLarge { max: usize },
     #[error("bulk string not terminated by CRLF")]
     MissingCrlf,
+    /// An error reply (`-...`) whose text is not UTF-8 (redis-protocol decodes error text as a
+    /// string; the pre-scan refuses it first so that both agree).
+    #[error("RESP2 error reply text is not UTF-8")]
+    InvalidErrorText,
     #[error("RESP2 decoder: {0}")]
     Decoder(String),
     #[error("reply received while no command was waiting for one")]
@@ -236,7 +240,14 @@ pub fn scan(buf: &[u8], limits: &DecodeLimits) -> Result<Option<usize>, Protocol
             return Err(ProtocolError::TooManyElements { max: limits.elements_total_max });
         }
         match kind {
-            b'+' | b'-' => {}
+            b'+' => {}
+            b'-' => {
+                // Found by fuzzing (fuzz/fuzz_targets/resp_decode.rs): without this the
+                // pre-scan accepted `-\xff\r\n` and the decoder then failed on it.
+                if std::str::from_utf8(line).is_err() {
+                    return Err(ProtocolError::InvalidErrorText);
+                }
+            }
             b':' => {
                 parse_i64(line)?;
             }
@@ -485,6 +496,19 @@ mod tests {
 
     fn bulk(s: &str) -> Reply {
         Reply::Bulk(Bytes::copy_from_slice(s.as_bytes()))
+    }
+
+    #[test]
+    fn an_error_reply_that_is_not_utf8_is_refused_by_the_pre_scan() {
+        // The fuzzer's input, reduced: a simple string may hold any bytes, an error may not.
+        let limits = DecodeLimits::DEFAULT;
+        assert_eq!(scan(b"-\xff\r\n", &limits), Err(ProtocolError::InvalidErrorText));
+        let mut buf = BytesMut::from(&b"-\xff\r\n"[..]);
+        assert_eq!(decode(&mut buf), Err(ProtocolError::InvalidErrorText));
+        let mut buf = BytesMut::from(&b"+\xff\r\n"[..]);
+        assert!(matches!(decode(&mut buf), Ok(Some(Reply::Simple(_)))));
+        let mut buf = BytesMut::from(&b"-ERR caf\xc3\xa9\r\n"[..]);
+        assert!(matches!(decode(&mut buf), Ok(Some(Reply::Error(_)))));
     }
 
     #[test]

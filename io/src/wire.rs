@@ -117,7 +117,48 @@ pub struct OrderCreate {
     pub created_at_ms: u64,
 }
 
+/// Everything a reservation fixed when it was made, from which its order-create message is
+/// built: on the first publish from `reserve`'s answer, on a republish from the `resv`
+/// record. The same facts give the same message in every business id.
+#[derive(Debug, Clone, Copy)]
+pub struct ReservationFacts<'a> {
+    pub message_id: &'a str,
+    pub reservation_id: &'a str,
+    pub request_id: &'a str,
+    pub activity_id: u64,
+    pub sku_id: u64,
+    pub user_id: u64,
+    pub reserved_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub payload_hash: &'a str,
+    pub traceparent: Option<&'a str>,
+    /// How often it was sent before (0 on the first publish).
+    pub send_attempts: u32,
+}
+
 impl OrderCreate {
+    /// THE constructor of the order-create message (first publish and every republish).
+    pub fn for_reservation(facts: &ReservationFacts<'_>, now_ms: u64) -> OrderCreate {
+        OrderCreate {
+            schema_version: SCHEMA_VERSION,
+            event_type: ORDER_CREATE_EVENT_TYPE.to_owned(),
+            message_id: facts.message_id.to_owned(),
+            message_key: facts.reservation_id.to_owned(),
+            request_id: facts.request_id.to_owned(),
+            reservation_id: facts.reservation_id.to_owned(),
+            activity_id: facts.activity_id,
+            sku_id: facts.sku_id,
+            user_id: facts.user_id,
+            quantity: 1,
+            reserved_at_ms: facts.reserved_at_ms,
+            reservation_expires_at_ms: facts.expires_at_ms,
+            retry_count: facts.send_attempts,
+            payload_hash: facts.payload_hash.to_owned(),
+            traceparent: facts.traceparent.map(str::to_owned),
+            created_at_ms: now_ms,
+        }
+    }
+
     /// The JSON body.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(512);
@@ -230,15 +271,20 @@ pub enum EventType {
     Compensate,
     OrderCancelled,
     OrderPaid,
+    /// Money arrived for an order that no longer takes it (a payment recorded REFUND_NEEDED):
+    /// for the refund job; nothing for Redis. Besides the usual fields its payload carries
+    /// `payment_id` and `amount_cents`.
+    RefundRequested,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 5] = [
+    pub const ALL: [EventType; 6] = [
         EventType::OrderCreated,
         EventType::ReservationFailed,
         EventType::Compensate,
         EventType::OrderCancelled,
         EventType::OrderPaid,
+        EventType::RefundRequested,
     ];
 
     /// The text in `event_outbox.event_type` and the last subject token.
@@ -249,6 +295,7 @@ impl EventType {
             EventType::Compensate => "compensate",
             EventType::OrderCancelled => "order_cancelled",
             EventType::OrderPaid => "order_paid",
+            EventType::RefundRequested => "refund_requested",
         }
     }
 
@@ -260,6 +307,7 @@ impl EventType {
             EventType::Compensate => "seckill.event.compensate",
             EventType::OrderCancelled => "seckill.event.order_cancelled",
             EventType::OrderPaid => "seckill.event.order_paid",
+            EventType::RefundRequested => "seckill.event.refund_requested",
         }
     }
 
@@ -395,10 +443,17 @@ pub enum EventAction<'a> {
     Compensate { reason: RejectReason, compensation: Compensation },
     /// `apply_result(FAILED, reason)` only.
     Failed { reason: RejectReason },
-    /// Not a reservation outcome (`order_cancelled`, `order_paid`): not `redis-sync`'s
-    /// reservation path.
+    /// `order_cancelled` (a buyer's cancel or the pay-timeout closer): the order existed, so
+    /// no `apply_result`; `compensate` once with [`ORDER_CANCELLED_REASON`] and the event's
+    /// flags (whether the unit returns to sale is the activity's release policy).
+    OrderReleased { compensation: Compensation },
+    /// Nothing for Redis (`order_paid`, `refund_requested`).
     Other(EventType),
 }
+
+/// The `reason_code` a released (cancelled or closed) order's reservation gets in Redis: the
+/// query answers `FAILED` with it (CONTRACT.md 3.4).
+pub const ORDER_CANCELLED_REASON: &str = "ORDER_CANCELLED";
 
 impl ReservationEvent {
     fn base(message: &OrderCreate, event_type: EventType, now_ms: u64) -> ReservationEvent {
@@ -472,7 +527,14 @@ impl ReservationEvent {
                     .ok_or(invalid("reason_code", "required for reservation_failed"))?;
                 Ok(EventAction::Failed { reason })
             }
-            other @ (EventType::OrderCancelled | EventType::OrderPaid) => {
+            EventType::OrderCancelled => {
+                let compensation = Compensation {
+                    return_stock: self.return_stock,
+                    release_user: self.release_user,
+                };
+                Ok(EventAction::OrderReleased { compensation })
+            }
+            other @ (EventType::OrderPaid | EventType::RefundRequested) => {
                 Ok(EventAction::Other(other))
             }
         }

@@ -218,3 +218,29 @@ pub async fn find_reservation(
         order_id: row.get(2),
     }))
 }
+
+/// Units PostgreSQL can still sell for a SKU: AVAILABLE tokens (TOKEN allocator) or the
+/// counter (ROW), minus reservations being processed right now. This is the truth a Redis
+/// stock lost in a failover is rebuilt from — never the activity's initial stock, which would
+/// sell again what PostgreSQL already sold. `None`: the SKU is unknown.
+pub async fn sellable_units(
+    client: &Client,
+    activity_id: i64,
+    sku_id: i64,
+) -> Result<Option<i64>, PgError> {
+    let row = client
+        .query_opt(
+            "SELECT CASE s.allocator \
+                      WHEN 'ROW' THEN coalesce(s.available_stock, 0) \
+                      ELSE (SELECT count(*) FROM inventory_token t \
+                            WHERE t.activity_id = s.activity_id AND t.sku_id = s.sku_id \
+                              AND t.status = 'AVAILABLE') END \
+                    - (SELECT count(*) FROM inventory_reservation r \
+                       WHERE r.activity_id = s.activity_id AND r.sku_id = s.sku_id \
+                         AND r.status = 'PROCESSING') \
+             FROM sku_inventory s WHERE s.activity_id = $1 AND s.sku_id = $2",
+            &[&activity_id, &sku_id],
+        )
+        .await?;
+    Ok(row.map(|row| row.get::<_, i64>(0).max(0)))
+}

@@ -6,13 +6,15 @@
 //! retry classification (`error`), and the durable pipeline's PostgreSQL side
 //! (DESIGN.md section 5):
 //!
-//! - `order_writer`: several order-create messages per transaction, pipelined,
-//!   each outcome kept apart; `classify`: the sans-I/O rules that settle each
-//!   delivery (ack after commit, NAK with backoff, dead letter) and the event each
-//!   outcome announces;
+//! - `order_writer`: several order-create messages per transaction, each outcome
+//!   kept apart, set-based (`set_writer`, with `plan` deciding every outcome sans
+//!   I/O) or one function call per message (the fallback and reference);
+//!   `classify`: the sans-I/O rules that settle each delivery (ack after commit,
+//!   NAK with backoff, dead letter) and the event each outcome announces;
 //! - `outbox`: `SKIP LOCKED` batches of `event_outbox` to `SECKILL_EVENTS`;
 //! - `worker`: the pool of tasks on its own tokio runtime (`start` →
 //!   `WorkerHandle`), used by `flashsale serve` and `flashsale worker`;
+//!   `batching`: the sans-I/O size of each pull (the batch follows the backlog);
 //! - `pool`: the connection pool (multi-host URLs); `sql`: the statements;
 //! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7).
 //!
@@ -21,9 +23,11 @@
 //!
 //! Read next: `migrations/0001_init.sql` for the tables and which invariant of
 //! DESIGN.md section 8 each constraint enforces, `0002_order_create.sql` for the
-//! per-message transaction; then `worker.rs`, `order_writer.rs`, `classify.rs`.
+//! per-message transaction, `0004_order_create_set.sql` for the set-based one; then
+//! `worker.rs`, `order_writer.rs`, `plan.rs`, `classify.rs`.
 
 pub mod audit;
+pub mod batching;
 pub mod classify;
 pub mod edge;
 pub mod error;
@@ -31,8 +35,11 @@ pub mod migrate;
 pub mod order_writer;
 pub mod outbox;
 pub mod payments;
+pub mod plan;
 pub mod pool;
+pub mod provider;
 pub mod reconcile;
+pub mod set_writer;
 pub mod sql;
 pub mod tokens;
 pub mod worker;
@@ -44,7 +51,9 @@ pub use audit::{check_invariants, InvariantReport};
 pub use classify::{Action, Attempt, Recorded, RetryPolicy, WriteOutcome};
 pub use error::PgError;
 pub use migrate::{apply_migrations, migrate, MigrateReport, Migration, MIGRATIONS};
-pub use order_writer::write_batch;
+pub use order_writer::{
+    write_batch, write_batch_per_message, write_batch_with, OrderPath, SET_BATCH_MAX,
+};
 pub use outbox::{publish_once, OutboxRound};
 pub use pool::{build_pool, PgPoolConfig};
 pub use tokens::{claim_token, generate_tokens, ClaimOutcome};

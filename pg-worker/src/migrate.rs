@@ -60,6 +60,16 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "payments",
         sql: include_str!("../migrations/0003_payments.sql"),
     },
+    Migration {
+        version: 4,
+        name: "order_create_set",
+        sql: include_str!("../migrations/0004_order_create_set.sql"),
+    },
+    Migration {
+        version: 5,
+        name: "payment_status",
+        sql: include_str!("../migrations/0005_payment_status.sql"),
+    },
 ];
 
 // A malformed list is a build defect: catch it at compile time.

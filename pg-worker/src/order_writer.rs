@@ -1,7 +1,20 @@
 //! The order transaction: several order-create messages in ONE PostgreSQL transaction, every
 //! message's outcome preserved, committed before anything is acked (DESIGN.md section 5).
 //!
-//! What it is: [`write_batch`]. Each message is one call of `flashsale_order_create`
+//! What it is: [`write_batch`] and its two ways of writing a batch ([`OrderPath`]):
+//!
+//! - **set-based** (the default; `set_writer.rs`, migration 0004): a fixed number of statements
+//!   per batch, whatever its size — the batch's facts read and its units locked in one call,
+//!   every outcome decided in Rust (`plan.rs`, sans I/O), the rows written in one call, the
+//!   events in one INSERT, COMMIT. Up to [`SET_BATCH_MAX`] messages. A batch it cannot write
+//!   (a message that fails a constraint, a buyer raced by a concurrent transaction) is rolled
+//!   back and written the per-message way, which isolates the failing message;
+//! - **per message** ([`write_batch_per_message`], migration 0002): one `flashsale_order_create`
+//!   call per message, up to [`BATCH_MAX`] per transaction. The fallback above, and the
+//!   reference the set-based path is tested against (tests/tests/order_writer.rs compares the
+//!   rows both produce for the same message sequences).
+//!
+//! The per-message path: each message is one call of `flashsale_order_create`
 //! (`migrations/0002_order_create.sql`: inbox, expiry/activity, claim, order, ledger,
 //! reservation), told how many messages of its SKU follow it in the batch so that the first
 //! claim of a SKU takes the units for all of them in one step (the transaction's "batch unit
@@ -33,9 +46,9 @@
 //! because a committed message is found in the inbox.
 //!
 //! What it is not: the consumer loop, the acks or the metrics (`worker.rs`), the outcome rules
-//! (`classify.rs`).
+//! (`classify.rs`, `plan.rs`).
 //!
-//! Read next: `classify.rs`, `worker.rs`.
+//! Read next: `set_writer.rs`, `plan.rs`, `classify.rs`, `worker.rs`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -55,13 +68,76 @@ use crate::sql;
 /// (O(n) per failure), the row locks one transaction holds, and the unit pool's text.
 pub const BATCH_MAX: usize = 64;
 
+/// Most messages in one set-based transaction (its arrays, the rows and token locks it holds,
+/// and what a fallback to the per-message path redoes). The worker's `fetch_max` is bounded
+/// by it.
+pub const SET_BATCH_MAX: usize = 1024;
+
 /// Parameters of `flashsale_order_create`.
 const ORDER_CREATE_PARAMS: usize = 12;
 
-/// Writes `messages` in one transaction for `consumer_group` (the inbox key) and returns each
+/// How a batch is written (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OrderPath {
+    /// Migration 0004: a fixed number of statements per batch (up to [`SET_BATCH_MAX`]);
+    /// a batch it cannot write goes the per-message way.
+    #[default]
+    SetBased,
+    /// Migration 0002: one function call per message (up to [`BATCH_MAX`] per transaction).
+    PerMessage,
+}
+
+/// Writes `messages` for `consumer_group` (the inbox key) the set-based way and returns each
 /// message's outcome, in input order, after COMMIT. `now_ms` is the clock reading expiry is
 /// judged against. See the module documentation for errors.
 pub async fn write_batch(
+    client: &ClientWrapper,
+    consumer_group: &str,
+    messages: &[&OrderCreate],
+    now_ms: u64,
+) -> Result<Vec<WriteOutcome>, PgError> {
+    write_batch_with(client, consumer_group, messages, now_ms, OrderPath::SetBased).await
+}
+
+/// [`write_batch`] by the given path. `PerMessage` with more than [`BATCH_MAX`] messages
+/// writes them in consecutive transactions of at most `BATCH_MAX`.
+pub async fn write_batch_with(
+    client: &ClientWrapper,
+    consumer_group: &str,
+    messages: &[&OrderCreate],
+    now_ms: u64,
+    path: OrderPath,
+) -> Result<Vec<WriteOutcome>, PgError> {
+    match path {
+        OrderPath::SetBased => {
+            crate::set_writer::write_set(client, consumer_group, messages, now_ms).await
+        }
+        OrderPath::PerMessage => {
+            write_per_message_chunks(client, consumer_group, messages, now_ms).await
+        }
+    }
+}
+
+/// The per-message path over any number of messages, [`BATCH_MAX`] per transaction.
+pub(crate) async fn write_per_message_chunks(
+    client: &ClientWrapper,
+    consumer_group: &str,
+    messages: &[&OrderCreate],
+    now_ms: u64,
+) -> Result<Vec<WriteOutcome>, PgError> {
+    if messages.is_empty() {
+        return Err(PgError::InvalidArgument("a batch holds at least one message"));
+    }
+    let mut outcomes = Vec::with_capacity(messages.len());
+    for chunk in messages.chunks(BATCH_MAX) {
+        outcomes.extend(write_batch_per_message(client, consumer_group, chunk, now_ms).await?);
+    }
+    Ok(outcomes)
+}
+
+/// The per-message path: `messages` (1..=[`BATCH_MAX`]) in one transaction, one
+/// `flashsale_order_create` call each (see the module documentation).
+pub async fn write_batch_per_message(
     client: &ClientWrapper,
     consumer_group: &str,
     messages: &[&OrderCreate],
@@ -156,25 +232,13 @@ async fn finish(
     outcomes: &[WriteOutcome],
     now_ms: u64,
 ) -> Result<(), PgError> {
-    let mut aggregate_ids: Vec<&str> = Vec::with_capacity(messages.len());
-    let mut event_types: Vec<&str> = Vec::with_capacity(messages.len());
-    let mut payloads: Vec<String> = Vec::with_capacity(messages.len());
-    for (message, outcome) in messages.iter().zip(outcomes) {
-        if let Some(event) = event_for(message, outcome, now_ms) {
-            aggregate_ids.push(&message.reservation_id);
-            event_types.push(event.event_type.as_str());
-            payloads.push(
-                serde_json::to_string(&event)
-                    .map_err(|_| PgError::InvalidArgument("event does not serialize"))?,
-            );
-        }
-    }
-    let event_args: [&(dyn ToSql + Sync); 3] = [&aggregate_ids, &event_types, &payloads];
+    let events = EventColumns::new(messages, outcomes, now_ms)?;
+    let event_args = events.args();
     let mut requests: Vec<Pending<'_>> = Vec::with_capacity(3);
     requests.push(Box::pin(async move {
         pg.query_one(&statements.return_units, &[]).await.map(|_| None)
     }));
-    if !payloads.is_empty() {
+    if !events.is_empty() {
         requests.push(Box::pin(async move {
             pg.execute(&statements.insert_events, &event_args).await.map(|_| None)
         }));
@@ -188,18 +252,62 @@ async fn finish(
     Ok(())
 }
 
-struct Statements {
-    begin: Statement,
-    commit: Statement,
-    rollback: Statement,
-    order_create: Statement,
-    insert_events: Statement,
-    return_units: Statement,
+/// The outbox rows of a batch's committed outcomes, as the three parallel arrays
+/// `INSERT_EVENTS_SQL` takes, in message order (so event ids follow it).
+pub(crate) struct EventColumns<'a> {
+    aggregate_ids: Vec<&'a str>,
+    event_types: Vec<&'static str>,
+    payloads: Vec<String>,
+}
+
+impl<'a> EventColumns<'a> {
+    pub(crate) fn new(
+        messages: &[&'a OrderCreate],
+        outcomes: &[WriteOutcome],
+        now_ms: u64,
+    ) -> Result<EventColumns<'a>, PgError> {
+        let mut columns = EventColumns {
+            aggregate_ids: Vec::with_capacity(messages.len()),
+            event_types: Vec::with_capacity(messages.len()),
+            payloads: Vec::with_capacity(messages.len()),
+        };
+        for (message, outcome) in messages.iter().zip(outcomes) {
+            if let Some(event) = event_for(message, outcome, now_ms) {
+                columns.aggregate_ids.push(&message.reservation_id);
+                columns.event_types.push(event.event_type.as_str());
+                columns.payloads.push(
+                    serde_json::to_string(&event)
+                        .map_err(|_| PgError::InvalidArgument("event does not serialize"))?,
+                );
+            }
+        }
+        Ok(columns)
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.payloads.is_empty()
+    }
+
+    pub(crate) fn args(&self) -> [&(dyn ToSql + Sync); 3] {
+        [&self.aggregate_ids, &self.event_types, &self.payloads]
+    }
+}
+
+/// Every statement a batch may send, prepared once per connection.
+pub(crate) struct Statements {
+    pub(crate) begin: Statement,
+    pub(crate) commit: Statement,
+    pub(crate) rollback: Statement,
+    pub(crate) order_create: Statement,
+    pub(crate) insert_events: Statement,
+    pub(crate) return_units: Statement,
+    pub(crate) order_facts: Statement,
+    pub(crate) order_apply: Statement,
 }
 
 impl Statements {
     /// Cache hits after a connection's first batch (no round trip).
-    async fn prepare(client: &ClientWrapper) -> Result<Statements, PgError> {
+    pub(crate) async fn prepare(client: &ClientWrapper) -> Result<Statements, PgError> {
         Ok(Statements {
             begin: client.prepare_cached(sql::BEGIN_SQL).await?,
             commit: client.prepare_cached(sql::COMMIT_SQL).await?,
@@ -207,6 +315,8 @@ impl Statements {
             order_create: client.prepare_cached(sql::ORDER_CREATE_SQL).await?,
             insert_events: client.prepare_cached(sql::INSERT_EVENTS_SQL).await?,
             return_units: client.prepare_cached(sql::RETURN_UNITS_SQL).await?,
+            order_facts: client.prepare_cached(sql::ORDER_FACTS_SQL).await?,
+            order_apply: client.prepare_cached(sql::ORDER_APPLY_SQL).await?,
         })
     }
 }
@@ -254,7 +364,7 @@ fn pool_sizes(messages: &[&OrderCreate]) -> Vec<i32> {
         .collect()
 }
 
-fn system_time(unix_ms: u64) -> SystemTime {
+pub(crate) fn system_time(unix_ms: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(unix_ms)
 }
 
@@ -304,7 +414,7 @@ pub fn describe(error: &tokio_postgres::Error) -> String {
     }
 }
 
-fn next_result(
+pub(crate) fn next_result(
     results: &mut impl Iterator<Item = Result<Option<Row>, tokio_postgres::Error>>,
 ) -> Result<Option<Row>, PgError> {
     match results.next() {
@@ -313,14 +423,14 @@ fn next_result(
     }
 }
 
-type Pending<'a> =
+pub(crate) type Pending<'a> =
     Pin<Box<dyn Future<Output = Result<Option<Row>, tokio_postgres::Error>> + Send + 'a>>;
 
-fn exec<'a>(pg: &'a tokio_postgres::Client, statement: &'a Statement) -> Pending<'a> {
+pub(crate) fn exec<'a>(pg: &'a tokio_postgres::Client, statement: &'a Statement) -> Pending<'a> {
     Box::pin(async move { pg.execute(statement, &[]).await.map(|_| None) })
 }
 
-fn call<'a>(
+pub(crate) fn call<'a>(
     pg: &'a tokio_postgres::Client,
     statement: &'a Statement,
     args: &'a [&'a (dyn ToSql + Sync)],
@@ -331,7 +441,9 @@ fn call<'a>(
 /// Runs `requests` pipelined: tokio-postgres sends a request when its future is first polled,
 /// so polling every future once, in order, puts them on the wire back-to-back in that order;
 /// the server executes them in that order and the responses come back in it.
-async fn pipeline(requests: Vec<Pending<'_>>) -> Vec<Result<Option<Row>, tokio_postgres::Error>> {
+pub(crate) async fn pipeline(
+    requests: Vec<Pending<'_>>,
+) -> Vec<Result<Option<Row>, tokio_postgres::Error>> {
     let mut slots: Vec<MaybeDone<Pending<'_>>> = requests.into_iter().map(maybe_done).collect();
     for slot in slots.iter_mut() {
         // Sends the request; the result (if already there) stays in the slot.

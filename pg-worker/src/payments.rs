@@ -19,6 +19,16 @@
 //!   other). `PAYMENT_UNKNOWN` orders are never candidates: unknown keeps its stock.
 //! - [`mark_payment_unknown`]: a provider timeout (the payment's fate cannot be learnt now)
 //!   moves a PENDING_PAYMENT order to PAYMENT_UNKNOWN, so the closer keeps its unit.
+//! - [`close_due_orders_verified`]: the closer with a payment provider configured
+//!   (`[payments] status_url`, migration 0005): before closing, each due order without a PAID
+//!   payment (PENDING_PAYMENT, and PAYMENT_UNKNOWN ones whose backoff has passed) is asked
+//!   about with a signed status request (`provider.rs`). UNPAID/CLOSED/FAILED → closed and
+//!   released (a PAYMENT_UNKNOWN order too); PAID → applied as a callback; no answer, an
+//!   unknown status or a forged answer → PAYMENT_UNKNOWN, unit kept, asked again after
+//!   `backoff_min_ms · 2^(asks−1)` (at most `backoff_max_ms`), counted in `payment_status_ask`.
+//! - [`list_refunds`]: payments recorded REFUND_NEEDED (money to give back), oldest first;
+//!   each also produced a `refund_requested` outbox event when its order exists (migration
+//!   0005's trigger).
 //!
 //! What it is not: HTTP or signature checking (`engine::shard::orders`), the periodic loop
 //! (`worker.rs`), Redis (the `order_cancelled` event is applied by `redis-sync`).
@@ -31,6 +41,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_postgres::Client;
 
 use crate::error::PgError;
+use crate::provider::{Answer, Provider, ProviderConfig};
 
 /// Statuses a provider may report that are authoritative about money (CONTRACT.md 3.4). Any
 /// other status string that arrives signed is treated as "payment unknown".
@@ -68,6 +79,47 @@ const FIND_ORDER_SQL: &str = "\
            (extract(epoch FROM o.created_at) * 1000)::bigint + a.pay_timeout_ms \
     FROM orders o JOIN activity a ON a.activity_id = o.activity_id \
     WHERE o.order_id = $1 AND o.activity_id = $2 AND o.user_id = $3";
+
+/// Candidates of a verified round: like [`CLOSE_CANDIDATES_SQL`], plus PAYMENT_UNKNOWN orders
+/// past their pay timeout, each only once its backoff (`payment_status_ask.next_ask_at`) has
+/// passed; with the asks so far.
+const VERIFY_CANDIDATES_SQL: &str = "\
+    SELECT c.order_id, c.attempts FROM ( \
+      SELECT o.order_id, o.created_at, coalesce(q.attempts, 0) AS attempts FROM orders o \
+      JOIN activity a ON a.activity_id = o.activity_id \
+      LEFT JOIN payment_status_ask q ON q.order_id = o.order_id \
+      WHERE o.status = 'PENDING_PAYMENT' \
+        AND o.created_at <= $1::timestamptz \
+            - (SELECT coalesce(min(pay_timeout_ms), 0) FROM activity) * interval '1 millisecond' \
+        AND o.created_at + a.pay_timeout_ms * interval '1 millisecond' <= $1::timestamptz \
+        AND (q.order_id IS NULL OR q.next_ask_at <= $1::timestamptz) \
+        AND NOT EXISTS (SELECT 1 FROM payment p WHERE p.order_id = o.order_id AND p.status = 'PAID') \
+      UNION ALL \
+      SELECT o.order_id, o.created_at, coalesce(q.attempts, 0) FROM orders o \
+      JOIN activity a ON a.activity_id = o.activity_id \
+      LEFT JOIN payment_status_ask q ON q.order_id = o.order_id \
+      WHERE o.status = 'PAYMENT_UNKNOWN' \
+        AND o.created_at + a.pay_timeout_ms * interval '1 millisecond' <= $1::timestamptz \
+        AND (q.order_id IS NULL OR q.next_ask_at <= $1::timestamptz) \
+        AND NOT EXISTS (SELECT 1 FROM payment p WHERE p.order_id = o.order_id AND p.status = 'PAID') \
+    ) c ORDER BY c.created_at LIMIT $2";
+
+const CLOSE_VERIFIED_SQL: &str = "\
+    SELECT r_outcome, r_status FROM flashsale_order_close_verified($1, $2)";
+
+/// Records one ask: `$2` the asks so far including this one, `$3` the next ask's time.
+const RECORD_ASK_SQL: &str = "\
+    INSERT INTO payment_status_ask (order_id, attempts, next_ask_at, last_answer, asked_at) \
+    VALUES ($1, $2, $3, $4, $5) \
+    ON CONFLICT (order_id) DO UPDATE SET attempts = payment_status_ask.attempts + 1, \
+      next_ask_at = EXCLUDED.next_ask_at, last_answer = EXCLUDED.last_answer, \
+      asked_at = EXCLUDED.asked_at";
+
+const REFUNDS_SQL: &str = "\
+    SELECT p.order_id, p.payment_id, p.amount_cents, \
+           (extract(epoch FROM p.created_at) * 1000)::bigint, o.status \
+    FROM payment p LEFT JOIN orders o ON o.order_id = p.order_id \
+    WHERE p.outcome = 'REFUND_NEEDED' ORDER BY p.created_at, p.payment_id LIMIT $1";
 
 const MARK_UNKNOWN_SQL: &str = "\
     UPDATE orders SET status = 'PAYMENT_UNKNOWN', updated_at = now() \
@@ -272,18 +324,25 @@ pub struct CloserConfig {
     pub interval_ms: u64,
     /// Orders looked at per round (1..=[`CLOSE_BATCH_MAX`]).
     pub batch_max: usize,
+    /// The payment provider asked before each close ([`close_due_orders_verified`]); `None`:
+    /// orders without a callback are closed unverified ([`close_due_orders`]; the worker logs
+    /// that at start).
+    pub provider: Option<ProviderConfig>,
 }
 
 impl Default for CloserConfig {
     fn default() -> CloserConfig {
         // Pay timeouts are minutes; a second of lateness is noise, and a round that finds
         // nothing costs one index probe.
-        CloserConfig { interval_ms: 1_000, batch_max: 128 }
+        CloserConfig { interval_ms: 1_000, batch_max: 128, provider: None }
     }
 }
 
 impl CloserConfig {
     pub fn validate(&self) -> Result<(), PgError> {
+        if let Some(provider) = &self.provider {
+            provider.validate()?;
+        }
         if self.interval_ms == 0 {
             return Err(PgError::Config("closer.interval_ms must be positive".into()));
         }
@@ -342,6 +401,163 @@ pub async fn close_due_orders(
         }
     }
     Ok(round)
+}
+
+/// What one verified closer round did (on top of [`CloseRound`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VerifiedRound {
+    /// Closes, skips and failures as in an unverified round (`closed`: the provider said
+    /// unpaid and the order was released).
+    pub round: CloseRound,
+    /// Order ids the provider said are paid, applied as callbacks.
+    pub paid: Vec<String>,
+    /// Order ids with no authoritative answer: PAYMENT_UNKNOWN now, asked again later.
+    pub unknown: Vec<String>,
+}
+
+/// One bounded round of the verified closer at `now_ms` (see the module documentation). The
+/// asks run concurrently (at most `provider.config().concurrency`), each bounded by its
+/// deadline and attempts; then each answer is applied in its own transaction. A transient
+/// database error ends the round with `Err` like [`close_due_orders`].
+pub async fn close_due_orders_verified(
+    client: &Client,
+    provider: &Provider,
+    batch_max: usize,
+    now_ms: u64,
+) -> Result<VerifiedRound, PgError> {
+    use futures::StreamExt as _;
+    if !(1..=CLOSE_BATCH_MAX).contains(&batch_max) {
+        return Err(PgError::InvalidArgument("batch_max must be within 1..=CLOSE_BATCH_MAX"));
+    }
+    let limit = batch_max as i64;
+    let rows = client.query(VERIFY_CANDIDATES_SQL, &[&system_time(now_ms), &limit]).await?;
+    let mut candidates = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let order_id: String = row.try_get(0)?;
+        let attempts: i32 = row.try_get(1)?;
+        candidates.push((order_id, attempts));
+    }
+    let asks =
+        futures::stream::iter(candidates.into_iter().map(|(order_id, attempts)| async move {
+            let answer = provider.ask(&order_id, now_ms).await;
+            (order_id, attempts, answer)
+        }))
+        .buffer_unordered(provider.config().concurrency)
+        .collect::<Vec<_>>()
+        .await;
+    let mut result = VerifiedRound::default();
+    result.round.candidates = rows.len();
+    for (order_id, attempts, answer) in asks {
+        let asks_now = u32::try_from(attempts).unwrap_or(0).saturating_add(1);
+        let next_ms = now_ms.saturating_add(provider.config().backoff_ms(asks_now));
+        let last = match &answer {
+            Answer::Paid { .. } => "PAID".to_owned(),
+            Answer::Unpaid { status } => format!("UNPAID ({status})"),
+            Answer::Unknown { why } => format!("UNKNOWN ({why})"),
+        };
+        client
+            .execute(
+                RECORD_ASK_SQL,
+                &[
+                    &order_id,
+                    &i32::try_from(asks_now).unwrap_or(i32::MAX),
+                    &system_time(next_ms),
+                    &last,
+                    &system_time(now_ms),
+                ],
+            )
+            .await?;
+        match apply_answer(client, &order_id, answer, now_ms, &mut result).await {
+            Ok(()) => {}
+            Err(e) if e.is_transient() => return Err(e),
+            Err(e) => {
+                result.round.failed += 1;
+                tracing::error!(order_id = %order_id, error = %e, "acting on a payment status failed");
+            }
+        }
+    }
+    Ok(result)
+}
+
+/// Acts on one provider answer (one transaction), recording what happened in `result`.
+async fn apply_answer(
+    client: &Client,
+    order_id: &str,
+    answer: Answer,
+    now_ms: u64,
+    result: &mut VerifiedRound,
+) -> Result<(), PgError> {
+    match answer {
+        Answer::Paid { payment_id, amount_cents } => {
+            let callback = PaymentCallback {
+                payment_id,
+                order_id: order_id.to_owned(),
+                status: "PAID".to_owned(),
+                amount_cents: i64::try_from(amount_cents)
+                    .map_err(|_| PgError::InvalidArgument("amount_cents out of range"))?,
+            };
+            let applied = apply_callback(client, &callback, now_ms).await?;
+            tracing::info!(
+                order_id,
+                outcome = applied.outcome.as_str(),
+                "the payment provider says paid: applied as a callback"
+            );
+            result.paid.push(order_id.to_owned());
+        }
+        Answer::Unpaid { status } => {
+            let row =
+                client.query_one(CLOSE_VERIFIED_SQL, &[&order_id, &system_time(now_ms)]).await?;
+            let outcome: String = row.try_get(0)?;
+            if outcome == "RELEASED" {
+                metrics::counter!("flashsale_orders_released_total", "kind" => "close")
+                    .increment(1);
+                tracing::info!(order_id, provider_status = %status, "unpaid order closed after its pay timeout (verified)");
+                result.round.closed.push(order_id.to_owned());
+            } else {
+                result.round.skipped += 1;
+            }
+        }
+        Answer::Unknown { why } => {
+            mark_payment_unknown(client, order_id).await?;
+            tracing::warn!(order_id, why = %why, "payment status unknown: unit kept, asked again later");
+            result.unknown.push(order_id.to_owned());
+        }
+    }
+    Ok(())
+}
+
+/// One payment whose money must go back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refund {
+    pub order_id: String,
+    pub payment_id: String,
+    pub amount_cents: i64,
+    /// When the payment was recorded (Unix ms).
+    pub since_ms: i64,
+    /// The order's status (`None`: no such order).
+    pub order_status: Option<String>,
+}
+
+/// Largest refund listing.
+pub const REFUNDS_MAX: usize = 1_000;
+
+/// Payments recorded REFUND_NEEDED, oldest first, at most `limit` (1..=[`REFUNDS_MAX`]).
+pub async fn list_refunds(client: &Client, limit: usize) -> Result<Vec<Refund>, PgError> {
+    if !(1..=REFUNDS_MAX).contains(&limit) {
+        return Err(PgError::InvalidArgument("limit must be within 1..=REFUNDS_MAX"));
+    }
+    let rows = client.query(REFUNDS_SQL, &[&(limit as i64)]).await?;
+    let mut refunds = Vec::with_capacity(rows.len());
+    for row in rows {
+        refunds.push(Refund {
+            order_id: row.try_get(0)?,
+            payment_id: row.try_get(1)?,
+            amount_cents: row.try_get(2)?,
+            since_ms: row.try_get(3)?,
+            order_status: row.try_get(4)?,
+        });
+    }
+    Ok(refunds)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@
 //! [`reservation_statuses`] re-reads chosen reservations after the Redis read, so that an
 //! outcome committed between the two reads is not reported as a gap.
 //!
-//! What it is not: Redis, the merge or the verdict (`engine/src/reconcile.rs`); a repair tool
-//! (it writes nothing).
+//! What it is not: Redis, the merge or the verdict (`engine/src/logic/reconcile.rs`, its reads
+//! `engine/src/shard/reconcile.rs`); a repair tool (it writes nothing).
 
 use std::collections::BTreeMap;
 
@@ -82,6 +82,9 @@ pub struct PgReconcile {
     pub reservations: Vec<PgReservation>,
     /// `reservations` hit `reservations_max`: the cross-check is incomplete.
     pub reservations_truncated: bool,
+    /// The activity's release policy puts a cancelled or closed order's unit back on sale
+    /// (`BACK_TO_SALE`), so Redis must get it back; false for `RELEASED` (or no activity).
+    pub release_returns_stock: bool,
 }
 
 /// Reservations (ids) with no inbox row.
@@ -160,6 +163,13 @@ pub async fn reconcile_postgres(
         duplicate_requests: counts.try_get(2)?,
         invariants,
         ..PgReconcile::default()
+    };
+    let policy = c
+        .query_opt("SELECT release_policy FROM activity WHERE activity_id = $1", &[&activity_id])
+        .await?;
+    report.release_returns_stock = match policy {
+        Some(row) => row.try_get::<_, String>(0)? == "BACK_TO_SALE",
+        None => false,
     };
     list_ids(c, &mut report, activity_id, sku_id, limits.ids_listed_max).await?;
     let rows = c

@@ -1,5 +1,6 @@
 //! Every SQL statement the order-writer, the outbox publisher and the lag task send, in one
-//! place (the migrations hold the schema and `flashsale_order_create`; `tokens.rs` the TOKEN
+//! place (the migrations hold the schema, `flashsale_order_create` (0002, per message) and
+//! `flashsale_order_facts` / `flashsale_order_apply` (0004, set-based); `tokens.rs` the TOKEN
 //! allocator's stand-alone statements; `audit.rs` its one report query).
 //!
 //! All are prepared once per connection (`prepare_cached`) and reused.
@@ -11,6 +12,28 @@
 pub const ORDER_CREATE_SQL: &str = "\
     SELECT r_outcome, r_recorded, r_order_id, r_token_id, r_claim_us \
     FROM flashsale_order_create($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+
+/// The set-based batch's reads and locks (`migrations/0004_order_create_set.sql`): consumer
+/// group, message ids, reservation ids, activity ids, SKU ids, user ids, expiries (arrays by
+/// position), now. One row of arrays; `order_writer.rs` decodes it into `plan::Facts`.
+pub const ORDER_FACTS_SQL: &str = "\
+    SELECT r_inserted_ids, r_recorded_ids, r_recorded_statuses, r_recorded_orders, \
+           r_ordered_positions, r_sku_activity_ids, r_sku_ids, r_sku_statuses, r_sku_allocators, \
+           r_sku_available, r_sku_contended, r_sku_claim_us, r_token_skus, r_token_ids \
+    FROM flashsale_order_facts($1, $2, $3, $4, $5, $6, $7, $8)";
+
+/// The set-based batch's writes, as `plan::plan` decided them: consumer group, contended
+/// message ids; per final outcome (batch order) reservation id, request id, message id,
+/// activity id, SKU id, user id, status, order id, token id, reserved at, expires at; per ROW
+/// SKU that sold units activity id, SKU id, units.
+pub const ORDER_APPLY_SQL: &str = "\
+    SELECT flashsale_order_apply($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
+                                 $15, $16)";
+
+/// The SQLSTATE `flashsale_order_apply` raises when an order met a buyer its facts did not
+/// show (a concurrent transaction got there first): the plan is stale and the batch is
+/// written the per-message way instead.
+pub const BUYER_RACE_SQLSTATE: &str = "FS001";
 
 /// Gives the unused units of the transaction's ROW pools back; sent before every COMMIT.
 pub const RETURN_UNITS_SQL: &str = "SELECT flashsale_return_units()";

@@ -6,13 +6,21 @@
 //! updates the streams and consumers, builds the PostgreSQL pool (checking one connection),
 //! and spawns:
 //!
-//! - `order_writers` order-writer tasks: pull up to `fetch_max` deliveries, decode them, write
-//!   them in transactions of at most `batch_max` ([`crate::order_writer::write_batch`]), and
-//!   only after COMMIT settle each delivery as [`crate::classify::classify`] says (ack, NAK
-//!   with a delay, or dead-letter then TERM);
+//! - `order_writers` order-writer tasks: pull deliveries (as many as are waiting, up to the
+//!   adaptive ask of [`crate::batching::FetchSizer`]: `fetch_min` growing to `fetch_max` under
+//!   a backlog), decode them, write them ([`crate::order_writer::write_batch_with`]: the whole
+//!   pull in ONE set-based transaction, or on the per-message path in transactions of at most
+//!   `batch_max`), and only after COMMIT settle each delivery as
+//!   [`crate::classify::classify`] says (ack, NAK with a delay, or dead-letter then TERM);
 //! - `outbox_publishers` outbox tasks ([`crate::outbox::publish_once`] in a loop);
 //! - one lag task: the `order-writer` pending count and oldest pending age from JetStream
 //!   (into [`LogLag`], read by the edge's admission, and gauges) and the outbox backlog.
+//!
+//! Every transaction (an order batch, an outbox round, a closer round, the backlog count) is
+//! bounded client-side by `pg.transaction_deadline_ms` (`within_deadline`): a hung server
+//! never answers `statement_timeout`. Past it the connection is discarded and the batch is
+//! held and retried like any other unavailability; the next connection comes from the pool's
+//! failover connector (`pool.rs`).
 //!
 //! Concurrency is bounded by the PostgreSQL connection budget (`pg.pool_size`), not by the
 //! backlog: at most `order_writers` batch transactions are open at once.
@@ -31,7 +39,14 @@
 //! `flashsale_inbox_conflicts_total`, `flashsale_unique_conflicts_total`,
 //! `flashsale_dlq_total{consumer}`, `flashsale_outbox_backlog`,
 //! `flashsale_order_writer_pending`, `flashsale_order_writer_oldest_pending_age_seconds`,
-//! `flashsale_order_writer_outcomes_total{outcome}`, `flashsale_order_writer_batch_failures_total`.
+//! `flashsale_order_writer_outcomes_total{outcome}`, `flashsale_order_writer_batch_failures_total`,
+//! `flashsale_pg_transaction_deadlines_total`,
+//! `flashsale_order_writer_batch_messages` (messages per transaction attempt),
+//! `flashsale_order_writer_set_fallbacks_total{reason}` (set-based batches written per message).
+//!
+//! Sizing (measured with `benches/benches/order_pipeline.rs`, see `WorkerConfig::default`):
+//! PostgreSQL's CPU bounds order writing; [`order_writers_for_pg_cores`] gives two writers per
+//! core (one in PostgreSQL while another pulls and acks; measured in its documentation).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -45,9 +60,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
+use crate::batching::FetchSizer;
 use crate::classify::{classify, Action, Attempt, RetryPolicy, WriteOutcome};
 use crate::error::PgError;
-use crate::order_writer::{write_batch, BATCH_MAX};
+use crate::order_writer::{write_batch_with, OrderPath, BATCH_MAX, SET_BATCH_MAX};
 use crate::outbox;
 use crate::pool::{build_pool, PgPoolConfig};
 
@@ -61,12 +77,19 @@ pub struct WorkerConfig {
     pub log: LogConfig,
     /// Threads of the worker's own tokio runtime.
     pub runtime_threads: usize,
-    /// Concurrent order-writer tasks, i.e. concurrent batch transactions.
+    /// Concurrent order-writer tasks, i.e. concurrent batch transactions; two per PostgreSQL
+    /// core ([`order_writers_for_pg_cores`]).
     pub order_writers: usize,
-    /// Messages per transaction (1..=64); the main lever on commit cost.
+    /// How batches are written: set-based (default) or one function call per message.
+    pub order_path: OrderPath,
+    /// Messages per transaction on the per-message path (1..=64), also the chunk a set-based
+    /// batch is written in when PostgreSQL refuses it as a set.
     pub batch_max: usize,
-    /// Messages one pull asks for (at least `batch_max`; a pull of several batches writes
-    /// them one after another, all within the ack wait).
+    /// The smallest ask of a pull, and the first (1..=`fetch_max`); see `batching.rs`.
+    pub fetch_min: usize,
+    /// The largest ask of a pull (`batch_max`..=1024): on the set-based path the largest
+    /// transaction; on the per-message path a pull of several batches writes them one after
+    /// another, all within the ack wait.
     pub fetch_max: usize,
     /// How long an idle pull waits for the first message.
     pub fetch_wait_ms: u64,
@@ -97,9 +120,15 @@ impl Default for WorkerConfig {
             pg: PgPoolConfig::default(),
             log: LogConfig::default(),
             runtime_threads: 2,
-            order_writers: 6,
+            order_writers: order_writers_for_pg_cores(2),
+            order_path: OrderPath::SetBased,
             batch_max: 32,
-            fetch_max: 32,
+            // Set-based, 10,000 orders, 2 writers (order pipeline bench, medians of 5 on a
+            // shared machine): batch bound 32 / 128 / 256 / 512 / 1024 took 2.49 / 1.86 /
+            // 1.42 / 1.39 / 1.66 s at 131 / 102 / 95 / 92 / 108 us of PostgreSQL CPU per
+            // order; growing the ask from 32 beat a fixed ask of 512 (1.39 vs 1.51 s).
+            fetch_min: 32,
+            fetch_max: 512,
             fetch_wait_ms: 250,
             nak_backoff_ms: vec![100, 500, 2_000, 5_000, 10_000],
             contended_nak_ms: 20,
@@ -114,8 +143,37 @@ impl Default for WorkerConfig {
     }
 }
 
-/// Largest `fetch_max`: deliveries held by one task must all be written within the ack wait.
+/// Largest `fetch_max`: deliveries held by one task must all be written within the ack wait,
+/// and one pull is one set-based transaction.
 pub const FETCH_MAX: usize = 1024;
+const _: () = assert!(FETCH_MAX <= SET_BATCH_MAX, "a full pull must fit one set-based batch");
+const _: () = assert!(BATCH_MAX <= FETCH_MAX);
+
+/// Most order writers one process runs (each holds a connection and a transaction).
+pub const ORDER_WRITERS_MAX: usize = 64;
+
+/// Order writers per PostgreSQL core: each writer spends part of its loop outside PostgreSQL
+/// (the pull, decoding, planning, the acks), so one writer per core leaves the cores idle in
+/// those gaps, while every writer added also makes each SKIP LOCKED token scan walk past one
+/// more batch of locked tokens. Measured with the order pipeline bench on 2 cores (10,000
+/// orders, batch 512, medians of 5 interleaved runs, shared machine): 2 writers 2.01 s, 4
+/// writers 1.80 s (0.89x), 6 writers 1.47 s (0.73x), PostgreSQL CPU per order 118 / 130 / 120
+/// us; at a lighter load (first round) 1.27 / 1.04 / 1.15 s. Two per core is the middle of that
+/// plateau; the per-message prototype's "2 beat 4" (FIELD-NOTES.md) paid a token scan per
+/// message, not per batch.
+pub const ORDER_WRITERS_PER_PG_CORE: usize = 2;
+
+/// [`ORDER_WRITERS_PER_PG_CORE`] writers per core PostgreSQL has (1..=[`ORDER_WRITERS_MAX`];
+/// 0 cores counts as 1).
+pub const fn order_writers_for_pg_cores(pg_cores: usize) -> usize {
+    let cores = if pg_cores == 0 { 1 } else { pg_cores };
+    let writers = cores.saturating_mul(ORDER_WRITERS_PER_PG_CORE);
+    if writers > ORDER_WRITERS_MAX {
+        ORDER_WRITERS_MAX
+    } else {
+        writers
+    }
+}
 
 impl WorkerConfig {
     /// Refuses settings that cannot work, with a message naming the knob.
@@ -126,6 +184,12 @@ impl WorkerConfig {
         let bad = |message: String| Err(PgError::Config(message));
         if self.runtime_threads == 0 || self.order_writers == 0 || self.outbox_publishers == 0 {
             return bad("runtime_threads, order_writers and outbox_publishers must be >= 1".into());
+        }
+        if self.order_writers > ORDER_WRITERS_MAX {
+            return bad(format!(
+                "order_writers {} must be within 1..={ORDER_WRITERS_MAX}",
+                self.order_writers
+            ));
         }
         // One connection per writer and publisher, one for the lag task.
         let needed = self.order_writers + self.outbox_publishers + 1;
@@ -142,6 +206,12 @@ impl WorkerConfig {
             return bad(format!(
                 "fetch_max {} must be within batch_max ({})..={FETCH_MAX}",
                 self.fetch_max, self.batch_max
+            ));
+        }
+        if !(1..=self.fetch_max).contains(&self.fetch_min) {
+            return bad(format!(
+                "fetch_min {} must be within 1..=fetch_max ({})",
+                self.fetch_min, self.fetch_max
             ));
         }
         let in_hand = self.order_writers * self.fetch_max;
@@ -265,6 +335,9 @@ pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
     others.push(runtime.spawn(async move { lag_task(&lag_shared, others_stop_rx).await }));
     tracing::info!(
         order_writers = config.order_writers,
+        order_path = ?config.order_path,
+        fetch_min = config.fetch_min,
+        fetch_max = config.fetch_max,
         batch_max = config.batch_max,
         pool_size = config.pg.pool_size,
         "worker started"
@@ -289,6 +362,7 @@ async fn init(config: WorkerConfig) -> Result<Shared, PgError> {
     // Fail start-up, not the first batch, when PostgreSQL is unreachable or not migrated.
     let client = pool.get().await?;
     client.prepare_cached(crate::sql::ORDER_CREATE_SQL).await?;
+    client.prepare_cached(crate::sql::ORDER_FACTS_SQL).await?;
     drop(client);
     Ok(Shared {
         policy: config.retry_policy(),
@@ -405,9 +479,16 @@ async fn pause(duration: Duration, stop: &mut watch::Receiver<bool>) -> bool {
 
 async fn order_writer_task(shared: &Shared, source: PullSource, mut stop: watch::Receiver<bool>) {
     let config = &shared.config;
+    let mut sizer = FetchSizer::new(config.fetch_min, config.fetch_max);
+    // The per-message path writes a pull in transactions of `batch_max`; the set-based path
+    // writes the whole pull (at most fetch_max <= SET_BATCH_MAX) in one.
+    let transaction_max = match config.order_path {
+        OrderPath::SetBased => config.fetch_max,
+        OrderPath::PerMessage => config.batch_max,
+    };
     // Checked between pulls only: a batch in hand is always written and settled.
     while !*stop.borrow() {
-        let deliveries = match source.fetch(config.fetch_max, ms(config.fetch_wait_ms)).await {
+        let deliveries = match source.fetch(sizer.ask(), ms(config.fetch_wait_ms)).await {
             Ok(deliveries) => deliveries,
             Err(e) => {
                 tracing::warn!(error = %e, "order-writer pull failed");
@@ -415,7 +496,8 @@ async fn order_writer_task(shared: &Shared, source: PullSource, mut stop: watch:
                 continue;
             }
         };
-        for batch in deliveries.chunks(config.batch_max) {
+        sizer.observe(deliveries.len());
+        for batch in deliveries.chunks(transaction_max) {
             let span = tracing::debug_span!("order_batch", size = batch.len());
             process_batch(shared, batch, &mut stop).instrument(span).await;
         }
@@ -512,7 +594,15 @@ async fn write(shared: &Shared, messages: &[&OrderCreate]) -> Result<Vec<WriteOu
     let waited = std::time::Instant::now();
     let client = shared.pool.get().await?;
     metrics::histogram!("flashsale_pg_pool_wait_seconds").record(waited.elapsed().as_secs_f64());
-    match write_batch(&client, ORDER_WRITER_CONSUMER, messages, now_ms()).await {
+    metrics::histogram!("flashsale_order_writer_batch_messages").record(messages.len() as f64);
+    let path = shared.config.order_path;
+    let written = within_deadline(
+        shared,
+        "order batch",
+        write_batch_with(&client, ORDER_WRITER_CONSUMER, messages, now_ms(), path),
+    )
+    .await;
+    match written {
         Ok(outcomes) => {
             #[cfg(feature = "failpoints")]
             fail::fail_point!("worker_after_commit");
@@ -521,6 +611,31 @@ async fn write(shared: &Shared, messages: &[&OrderCreate]) -> Result<Vec<WriteOu
         Err(e) => {
             drop(deadpool_postgres::Object::take(client));
             Err(e)
+        }
+    }
+}
+
+/// Bounds one transaction (or round) on a pooled connection by `pg.transaction_deadline_ms`,
+/// client-side: `statement_timeout` cannot fire on a server that does not run (SIGSTOPped,
+/// or a machine gone without a reset), and the commit's outcome is then unknown. The caller
+/// discards the connection on any error (it may still be inside the transaction); every
+/// round here is idempotent (the inbox, SKIP LOCKED claims, conditional transitions), so the
+/// retry that follows is safe. The error reads as unavailable (`TimedOut`).
+async fn within_deadline<T>(
+    shared: &Shared,
+    what: &str,
+    work: impl std::future::Future<Output = Result<T, PgError>>,
+) -> Result<T, PgError> {
+    let deadline_ms = shared.config.pg.transaction_deadline_ms;
+    match tokio::time::timeout(ms(deadline_ms), work).await {
+        Ok(result) => result,
+        Err(_) => {
+            metrics::counter!("flashsale_pg_transaction_deadlines_total").increment(1);
+            let message = format!(
+                "{what} outlasted the client-side transaction deadline of {deadline_ms} ms \
+                 (outcome unknown; the retry is idempotent)"
+            );
+            Err(PgError::Db(crate::pool::minted_error(std::io::ErrorKind::TimedOut, message).await))
         }
     }
 }
@@ -629,7 +744,17 @@ async fn outbox_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
         let stopping = *stop.borrow();
         let round = async {
             let mut client = shared.pool.get().await?;
-            outbox::publish_once(&mut client, &shared.publisher, config.outbox_batch_max).await
+            let batch_max = config.outbox_batch_max;
+            let round = within_deadline(
+                shared,
+                "outbox round",
+                outbox::publish_once(&mut client, &shared.publisher, batch_max),
+            )
+            .await;
+            if round.is_err() {
+                drop(deadpool_postgres::Object::take(client));
+            }
+            round
         }
         .await;
         match round {
@@ -650,17 +775,36 @@ async fn outbox_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
 }
 
 /// The order timeout closer (DESIGN.md section 6): a bounded round, then the next one at once
-/// if it was full, else after `closer.interval_ms`.
+/// if it was full, else after `closer.interval_ms`. With a payment provider configured each
+/// round asks it before closing (`payments::close_due_orders_verified`); without one, orders
+/// with no callback are closed unverified, which is logged once here.
 async fn closer_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
     let closer = &shared.config.closer;
-    loop {
-        let round = async {
-            let client = shared.pool.get().await?;
-            crate::payments::close_due_orders(&client, closer.batch_max, now_ms()).await
+    let provider = match &closer.provider {
+        None => {
+            tracing::warn!(
+                "no payment provider configured ([payments] status_url): the closer closes \
+                 orders past their pay timeout without asking the provider (closes are not \
+                 verified)"
+            );
+            None
         }
-        .await;
+        Some(config) => match crate::provider::Provider::new(config.clone()) {
+            Ok(provider) => {
+                tracing::info!(status_url = %config.status_url, "the closer asks the payment provider before closing");
+                Some(provider)
+            }
+            Err(e) => {
+                // validate() refused this config before start; keep today's behaviour visibly.
+                tracing::error!(error = %e, "payment provider unusable: closes are not verified");
+                None
+            }
+        },
+    };
+    loop {
+        let round = closer_round(shared, provider.as_ref()).await;
         let pause_ms = match round {
-            Ok(round) if round.candidates == closer.batch_max && !round.closed.is_empty() => 0,
+            Ok((candidates, acted)) if candidates == closer.batch_max && acted => 0,
             Ok(_) => closer.interval_ms,
             Err(e) => {
                 tracing::warn!(error = %e, "closer round failed");
@@ -671,6 +815,52 @@ async fn closer_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
             return;
         }
     }
+}
+
+/// One closer round on a pooled connection: (candidates, whether any order moved on).
+async fn closer_round(
+    shared: &Shared,
+    provider: Option<&crate::provider::Provider>,
+) -> Result<(usize, bool), PgError> {
+    let closer = &shared.config.closer;
+    let client = shared.pool.get().await?;
+    let round = match provider {
+        None => within_deadline(
+            shared,
+            "closer round",
+            crate::payments::close_due_orders(&client, closer.batch_max, now_ms()),
+        )
+        .await
+        .map(|r| (r.candidates, !r.closed.is_empty())),
+        Some(provider) => {
+            // The asks' own bound on top of the database's: waves of `concurrency` asks,
+            // each at most attempts x timeout plus the pauses between attempts.
+            let c = provider.config();
+            let waves = closer.batch_max.div_ceil(c.concurrency) as u64;
+            let ask_ms = u64::from(c.attempts) * c.timeout_ms
+                + u64::from(c.attempts.saturating_sub(1)) * c.retry_pause_ms;
+            let bound_ms = shared.config.pg.transaction_deadline_ms + waves * ask_ms;
+            let work = crate::payments::close_due_orders_verified(
+                &client,
+                provider,
+                closer.batch_max,
+                now_ms(),
+            );
+            match tokio::time::timeout(ms(bound_ms), work).await {
+                Ok(r) => r.map(|r| {
+                    let acted = !r.round.closed.is_empty() || !r.paid.is_empty();
+                    (r.round.candidates, acted || !r.unknown.is_empty())
+                }),
+                Err(_) => Err(PgError::Runtime(format!(
+                    "verified closer round outlasted its bound of {bound_ms} ms"
+                ))),
+            }
+        }
+    };
+    if round.is_err() {
+        drop(deadpool_postgres::Object::take(client));
+    }
+    round
 }
 
 async fn lag_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
@@ -686,10 +876,15 @@ async fn lag_task(shared: &Shared, mut stop: watch::Receiver<bool>) {
             Err(e) => tracing::debug!(error = %e, "order-writer lag poll failed"),
         }
         match shared.pool.get().await {
-            Ok(client) => match outbox::backlog(&client).await {
-                Ok(backlog) => metrics::gauge!("flashsale_outbox_backlog").set(backlog as f64),
-                Err(e) => tracing::debug!(error = %e, "outbox backlog poll failed"),
-            },
+            Ok(client) => {
+                match within_deadline(shared, "outbox backlog", outbox::backlog(&client)).await {
+                    Ok(backlog) => metrics::gauge!("flashsale_outbox_backlog").set(backlog as f64),
+                    Err(e) => {
+                        drop(deadpool_postgres::Object::take(client));
+                        tracing::debug!(error = %e, "outbox backlog poll failed")
+                    }
+                }
+            }
             Err(e) => tracing::debug!(error = %e, "no connection for the backlog poll"),
         }
         if pause(ms(shared.config.lag_poll_ms), &mut stop).await {
@@ -705,6 +900,37 @@ mod tests {
     #[test]
     fn the_default_config_is_valid() {
         WorkerConfig::default().validate().expect("default");
+    }
+
+    #[test]
+    fn the_adaptive_bounds_are_checked() {
+        let cases: Vec<(&str, WorkerConfig)> = vec![
+            ("fetch_min", WorkerConfig { fetch_min: 0, ..Default::default() }),
+            ("fetch_min", WorkerConfig { fetch_min: 513, ..Default::default() }),
+            ("fetch_max", WorkerConfig { fetch_max: FETCH_MAX + 1, ..Default::default() }),
+            (
+                "order_writers",
+                WorkerConfig {
+                    order_writers: ORDER_WRITERS_MAX + 1,
+                    pg: PgPoolConfig { pool_size: 100, ..Default::default() },
+                    ..Default::default()
+                },
+            ),
+        ];
+        for (needle, config) in cases {
+            match config.validate() {
+                Err(PgError::Config(message)) => {
+                    assert!(message.contains(needle), "{needle}: {message}")
+                }
+                other => panic!("{needle}: expected a config error, got {other:?}"),
+            }
+        }
+        assert_eq!(order_writers_for_pg_cores(0), ORDER_WRITERS_PER_PG_CORE);
+        assert_eq!(order_writers_for_pg_cores(2), 2 * ORDER_WRITERS_PER_PG_CORE);
+        assert_eq!(order_writers_for_pg_cores(1_000), ORDER_WRITERS_MAX);
+        // The per-message path keeps its own bound whatever the set-based one is.
+        let per_message = WorkerConfig { order_path: OrderPath::PerMessage, ..Default::default() };
+        per_message.validate().expect("per-message default");
     }
 
     #[test]

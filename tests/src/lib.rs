@@ -1,6 +1,6 @@
 //! Test support: private real servers for the integration tests in `tests/tests/`.
 //!
-//! Every server is started by the same code as `flashsale stack up` ([`flashsale_engine::stack`]):
+//! Every server is started by the same code as `flashsale stack up` ([`flashsale_engine::app::stack`]):
 //! - Redis and NATS: one fresh instance per call, on a free 127.0.0.1 port, data in its own
 //!   temporary directory, stopped on drop. They start in milliseconds, so no test ever sees
 //!   another test's keys or streams, and a drill may kill or flush its own instance.
@@ -8,16 +8,25 @@
 //!   binaries through the stack's idempotent `ensure` under a lock; each call to
 //!   [`pg_database`] creates a fresh database in it.
 //!
+//! - A Redis Cluster (3 masters + 3 replicas): one per test binary, shared by its tests,
+//!   with the drills' levers ([`cluster`]).
+//!
 //! Nothing here touches the machine's own servers on the standard ports.
+
+pub mod cluster;
+
+pub use cluster::{redis_cluster, SharedCluster};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use flashsale_engine::auth::PassKeys;
-use flashsale_engine::ids::{ActivityId, UserId};
-use flashsale_engine::serve::{self, Pinning, ServeConfig, ServeHandle};
-use flashsale_engine::stack::{self, Kind, Server};
+use flashsale_engine::app::serve::{self, Pinning, ServeConfig, ServeHandle};
+use flashsale_engine::app::stack::nats_cluster::NatsCluster;
+use flashsale_engine::app::stack::pg_standbys::PgStandbys;
+use flashsale_engine::app::stack::{self, Kind, Server};
+use flashsale_engine::logic::auth::PassKeys;
+use flashsale_engine::logic::ids::{ActivityId, UserId};
 
 /// A server private to one test; stopped when dropped.
 pub struct Private {
@@ -58,31 +67,57 @@ impl Private {
         self.server.url()
     }
 
-    /// kill -9: no shutdown; the port stays reserved for [`Private::restart`].
+    /// kill -9: no shutdown; the port stays reserved for [`Private::restart`]. Panics when
+    /// the stack refused (the recorded pid is not this server) or the process outlived it.
     pub fn kill(&mut self) {
-        self.server.kill();
+        let (name, pid) = (self.server.kind.name(), self.server.pid);
+        self.server.kill().unwrap_or_else(|e| panic!("kill -9 of private {name} refused: {e}"));
+        assert_gone(name, pid);
     }
 
     /// SIGSTOP: the server hangs (connections are accepted by the kernel, nothing answers),
     /// as a stalled host or a network partition without resets looks; [`Private::thaw`]
-    /// resumes it.
+    /// resumes it. Returns once the server is stopped (`T` in `/proc/PID/stat`).
     pub fn freeze(&self) {
         self.signal("-STOP");
+        self.wait_state("stopped", |state| state == 'T');
     }
 
+    /// SIGCONT; returns once the server runs again.
     pub fn thaw(&self) {
         self.signal("-CONT");
+        self.wait_state("running", |state| state != 'T');
     }
 
     /// Signals the server and its direct children (PostgreSQL's backends each lead a session
-    /// of their own, so the process group would miss them).
+    /// of their own, so the process group would miss them), after checking that the recorded
+    /// pid is still this server.
     fn signal(&self, signal: &str) {
+        let name = self.server.kind.name();
+        self.server.check().unwrap_or_else(|e| panic!("kill {signal} of private {name}: {e}"));
         let pid = self.server.pid.to_string();
         // pkill exits 1 when there is no child: not an error here.
         let _ = std::process::Command::new("pkill").args([signal, "-P", &pid]).status();
         let status =
             std::process::Command::new("kill").args([signal, &pid]).status().expect("run kill");
         assert!(status.success(), "kill {signal} {pid}");
+    }
+
+    /// Waits (5 s at most) until the server's `/proc/PID/stat` state satisfies `want`.
+    fn wait_state(&self, what: &str, want: impl Fn(char) -> bool) {
+        let (name, pid) = (self.server.kind.name(), self.server.pid);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let state = stack::process_state(pid);
+            if state.is_some_and(&want) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "private {name} (pid {pid}) not {what} 5 s after the signal: state {state:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     /// Starts the server again on the same port and data directory (after `kill`, or
@@ -112,6 +147,12 @@ impl Drop for Private {
     fn drop(&mut self) {
         let _ = self.server.stop();
     }
+}
+
+/// Panics unless `pid` is gone (no process, or a zombie nobody has reaped yet).
+pub fn assert_gone(name: &str, pid: u32) {
+    let state = stack::process_state(pid);
+    assert!(matches!(state, None | Some('Z')), "{name} (pid {pid}) still there: state {state:?}");
 }
 
 /// A fresh redis-server on a free loopback port.
@@ -447,6 +488,14 @@ impl Engine {
         self.handle = Some(serve::start(config).expect("engine restarts"));
     }
 
+    /// Another engine instance over this engine's Redis, NATS and database (DESIGN.md
+    /// section 11: several `flashsale serve` behind an L4 balancer), on ports of its own.
+    pub fn start_peer(&self, tune: impl FnOnce(&mut ServeConfig)) -> Peer {
+        let mut config = serve_config(self.redis.addr(), &self.nats.url(), &self.db.url);
+        tune(&mut config);
+        Peer { handle: Some(serve::start(config).expect("peer engine starts")) }
+    }
+
     /// Checks DESIGN.md section 8's PostgreSQL invariants of one SKU; panics with the report.
     pub fn assert_invariants(&self, activity: u64, sku: u64) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -468,6 +517,34 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         if let Some(handle) = self.handle.take() {
+            handle.shutdown();
+        }
+    }
+}
+
+/// A second engine instance on another [`Engine`]'s stores ([`Engine::start_peer`]); stopped
+/// on drop or by [`Peer::terminate`].
+pub struct Peer {
+    handle: Option<ServeHandle>,
+}
+
+impl Peer {
+    pub fn http(&self) -> SocketAddr {
+        self.handle.as_ref().expect("peer running").http_addr
+    }
+
+    pub fn admin(&self) -> SocketAddr {
+        self.handle.as_ref().expect("peer running").admin_addr
+    }
+
+    pub fn metrics(&self) -> String {
+        HttpClient::connect(self.admin()).request("GET", "/metrics", None, None).body
+    }
+
+    /// Drain, then shut down (the stores stay up).
+    pub fn terminate(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            handle.drain();
             handle.shutdown();
         }
     }
@@ -554,4 +631,259 @@ pub fn redis_cmd(redis: &PrivateRedis, args: &[&str]) -> String {
         .output()
         .expect("redis-cli");
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+// ---- multi-node topologies ---------------------------------------------------------------
+
+fn open_tempdir(prefix: &str) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new().prefix(prefix).tempdir().expect("create temp dir");
+    // PostgreSQL runs as `postgres` when we are root and must traverse to its data.
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("open the temp dir to the postgres user");
+    dir
+}
+
+/// A 3-node JetStream cluster of its own (`stack::nats_cluster`); stopped when dropped.
+pub struct PrivateNatsCluster {
+    pub cluster: NatsCluster,
+    _dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for PrivateNatsCluster {
+    type Target = NatsCluster;
+    fn deref(&self) -> &NatsCluster {
+        &self.cluster
+    }
+}
+
+impl std::ops::DerefMut for PrivateNatsCluster {
+    fn deref_mut(&mut self) -> &mut NatsCluster {
+        &mut self.cluster
+    }
+}
+
+impl Drop for PrivateNatsCluster {
+    fn drop(&mut self) {
+        self.cluster.stop();
+    }
+}
+
+pub fn nats_cluster() -> PrivateNatsCluster {
+    let dir = open_tempdir("flashsale-test-nats-cluster-");
+    let cluster = NatsCluster::up(dir.path()).unwrap_or_else(|e| panic!("NATS cluster: {e}"));
+    PrivateNatsCluster { cluster, _dir: dir }
+}
+
+/// A PostgreSQL primary with two streaming standbys of its own (`stack::pg_standbys`);
+/// every node stopped (thawed first) when dropped.
+pub struct PrivatePgStandbys {
+    pub set: PgStandbys,
+    _dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for PrivatePgStandbys {
+    type Target = PgStandbys;
+    fn deref(&self) -> &PgStandbys {
+        &self.set
+    }
+}
+
+impl std::ops::DerefMut for PrivatePgStandbys {
+    fn deref_mut(&mut self) -> &mut PgStandbys {
+        &mut self.set
+    }
+}
+
+impl Drop for PrivatePgStandbys {
+    fn drop(&mut self) {
+        self.set.stop_all();
+    }
+}
+
+pub fn pg_standbys() -> PrivatePgStandbys {
+    let dir = open_tempdir("flashsale-test-pg-ha-");
+    let set = PgStandbys::up(dir.path()).unwrap_or_else(|e| panic!("PostgreSQL standbys: {e}"));
+    PrivatePgStandbys { set, _dir: dir }
+}
+
+/// The renderer of this test process's `metrics` registry (installed once), for an
+/// in-process engine's `render_extra`, as `flashsale serve` installs it.
+pub fn prometheus_render() -> Box<dyn Fn() -> String + Send + Sync> {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    let handle = HANDLE
+        .get_or_init(|| {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .expect("install the Prometheus recorder")
+        })
+        .clone();
+    Box::new(move || handle.render())
+}
+
+// ---- HAProxy in front of an engine ----------------------------------------------------------
+
+/// A private HAProxy in TCP mode on a free loopback port, relaying to `backend` with the
+/// given `server` line options (e.g. `send-proxy-v2`); its generated configuration and log
+/// live in a temporary directory. Stopped on drop.
+pub struct Haproxy {
+    child: std::process::Child,
+    pub addr: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl Haproxy {
+    pub fn start(backend: SocketAddr, server_options: &str) -> Haproxy {
+        Haproxy::start_config(&format!("    server engine {backend} {server_options}\n"))
+    }
+
+    /// HAProxy in TCP mode balancing connections round robin over `backends` (several engine
+    /// instances behind one L4 balancer, DESIGN.md section 11).
+    pub fn round_robin(backends: &[SocketAddr]) -> Haproxy {
+        let servers: String = backends
+            .iter()
+            .enumerate()
+            .map(|(i, addr)| format!("    server engine{i} {addr}\n"))
+            .collect();
+        Haproxy::start_config(&format!("    balance roundrobin\n{servers}"))
+    }
+
+    fn start_config(backend_lines: &str) -> Haproxy {
+        let binary = ["/usr/sbin/haproxy", "/usr/bin/haproxy"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("haproxy is installed (./run installs the Debian package)");
+        let dir = tempfile::Builder::new().prefix("flashsale-test-haproxy-").tempdir().unwrap();
+        // A port that was free a moment ago; HAProxy fails to start if it was taken since,
+        // and the caller's wait below reports that.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let config = format!(
+            "global\n    maxconn 256\n\
+             defaults\n    mode tcp\n    timeout connect 2s\n    timeout client 30s\n    timeout server 30s\n\
+             frontend edge\n    bind {addr}\n    default_backend engine\n\
+             backend engine\n{backend_lines}"
+        );
+        let config_path = dir.path().join("haproxy.cfg");
+        std::fs::write(&config_path, config).unwrap();
+        let log = std::fs::File::create(dir.path().join("haproxy.log")).unwrap();
+        let child = std::process::Command::new(binary)
+            .arg("-db") // foreground: it is our child, stopped by pid
+            .arg("-f")
+            .arg(&config_path)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start haproxy");
+        let mut haproxy = Haproxy { child, addr, dir };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(addr).is_err() {
+            if let Ok(Some(status)) = haproxy.child.try_wait() {
+                panic!("haproxy exited ({status}): {}", haproxy.log());
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "haproxy not listening: {}",
+                haproxy.log()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        haproxy
+    }
+
+    /// What HAProxy wrote to stdout and stderr.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("haproxy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Haproxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A TCP connection to `to` from the local address `from` (e.g. another 127.0.0.0/8 address,
+/// so that a proxy in between reports a client address of the test's choosing).
+pub fn connect_from(from: std::net::IpAddr, to: SocketAddr) -> HttpClient {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(to),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )
+    .unwrap();
+    socket.bind(&SocketAddr::new(from, 0).into()).expect("bind the client address");
+    socket.connect(&to.into()).expect("connect");
+    let stream: std::net::TcpStream = socket.into();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    stream.set_nodelay(true).unwrap();
+    HttpClient { stream, buf: Vec::new() }
+}
+
+// ---- end-of-drill invariant checks ---------------------------------------------------------
+
+impl Engine {
+    /// The end of every drill that sells (DESIGN.md section 8 across the stores): the reconcile
+    /// report of the SKU (Redis cross-checked against PostgreSQL: conservation, one per buyer,
+    /// nothing lost; reservations still in flight counted as such) is ok, and PostgreSQL's own
+    /// invariants ([`Engine::assert_invariants`]) hold. Panics with the report.
+    pub fn assert_reconciled(&self, activity: u64, sku: u64) {
+        let path = format!("/admin/v1/activities/{activity}/skus/{sku}/reconcile");
+        let resp = HttpClient::connect(self.admin()).request("GET", &path, None, None);
+        let report = resp.json();
+        assert_eq!(resp.status, 200, "reconcile {activity}/{sku}: {report:#}");
+        assert_eq!(report["ok"], true, "reconcile {activity}/{sku} not ok: {report:#}");
+        self.assert_invariants(activity, sku);
+    }
+}
+
+impl Engine {
+    /// Publishes one outbox event the way the outbox publisher does (for `redis-sync` tests).
+    pub fn publish_event(&self, event_id: i64, event: &flashsale_io::wire::ReservationEvent) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let config = flashsale_io::log::LogConfig {
+                url: self.nats.url(),
+                ..flashsale_io::log::LogConfig::default()
+            };
+            let log = flashsale_io::log::Log::connect(&config).await.unwrap();
+            log.publisher()
+                .publish_event(event_id, event.event_type, bytes::Bytes::from(event.encode()), None)
+                .await
+                .unwrap();
+        });
+    }
+
+    /// The reservation as Redis recorded it, as an order-create message would carry it.
+    pub fn order_create_of(
+        &self,
+        activity: u64,
+        sku: u64,
+        resv: &str,
+        user: u64,
+        request_id: &str,
+    ) -> flashsale_io::wire::OrderCreate {
+        let key = format!("seckill:{{{activity}:{sku}}}:resv:{resv}");
+        let field = |f: &str| redis_cmd(&self.redis, &["HGET", &key, f]);
+        flashsale_io::wire::OrderCreate {
+            schema_version: 1,
+            event_type: flashsale_io::wire::ORDER_CREATE_EVENT_TYPE.to_string(),
+            message_id: field("message_id"),
+            message_key: resv.to_string(),
+            request_id: request_id.to_string(),
+            reservation_id: resv.to_string(),
+            activity_id: activity,
+            sku_id: sku,
+            user_id: user,
+            quantity: 1,
+            reserved_at_ms: field("reserved_at").parse().unwrap(),
+            reservation_expires_at_ms: field("expires_at").parse().unwrap(),
+            retry_count: 0,
+            payload_hash: field("payload_hash"),
+            traceparent: None,
+            created_at_ms: 0,
+        }
+    }
 }

@@ -85,6 +85,9 @@ fn kill_at(failpoint: &'static str, hit: u64) {
 
     let second = EngineProcess::spawn(&stores, ChildOptions::default());
     let intents = settle_all(second.http, ACTIVITY, SKU, before);
+    // Every buyer left without an answer by the crash has one now (same request id).
+    let still_unanswered: Vec<_> = intents.iter().filter(|i| !i.settled()).collect();
+    assert!(still_unanswered.is_empty(), "buyers without an answer: {still_unanswered:?}");
     // 90 buyers who all got an answer in the end for 60 units: every unit is an order, no
     // reservation was lost and none failed.
     let resolved = resolve_and_check_sold_out(&rt, &stores, &second, &intents, stock);

@@ -9,7 +9,7 @@ use flashsale_tests::{metric, redis_cmd, state, wait_for_ms, Engine, HttpClient}
 #[test]
 fn reserve_replay_conflict_duplicate_user_and_sell_out() {
     let engine = Engine::start();
-    engine.create_activity(10001, 20001, 2);
+    engine.create_activity(10001, 20001, 3);
     let mut c = HttpClient::connect(engine.http());
 
     let (status, first) = engine.submit(&mut c, 1, 10001, 20001, "req-a");
@@ -24,9 +24,16 @@ fn reserve_replay_conflict_duplicate_user_and_sell_out() {
     assert_eq!(again["reservation_id"], resv.as_str());
     assert_eq!(again["replayed"], true);
 
-    // Same request id, another user (a different payload): conflict.
-    let (status, conflict) = engine.submit(&mut c, 2, 10001, 20001, "req-a");
-    assert_eq!((status, state(&conflict)), (409, "IDEMPOTENCY_CONFLICT"));
+    // Same request id, another buyer: request ids are each buyer's own, so it is that buyer's
+    // own first request (neither a conflict with, nor a view of, buyer 1's).
+    let (status, theirs) = engine.submit(&mut c, 2, 10001, 20001, "req-a");
+    assert_eq!((status, state(&theirs)), (202, "QUEUED"), "{theirs}");
+    assert_ne!(theirs["reservation_id"], resv.as_str());
+    assert!(theirs.get("replayed").is_none());
+    let (_, mine) = engine.query(&mut c, 1, 10001, 20001, "req-a");
+    assert_eq!(mine["reservation_id"], resv.as_str());
+    let (_, their_view) = engine.query(&mut c, 2, 10001, 20001, "req-a");
+    assert_eq!(their_view["reservation_id"], theirs["reservation_id"]);
 
     // Same user, new request id: duplicate user with the first reservation.
     let (status, dup) = engine.submit(&mut c, 1, 10001, 20001, "req-b");
@@ -54,7 +61,7 @@ fn reserve_replay_conflict_duplicate_user_and_sell_out() {
     let fast_after = metric(&engine.metrics(), "flashsale_sold_out_fast_path_total");
     assert!(fast_after >= fast_before + 6, "fast path not used: {fast_before} -> {fast_after}");
 
-    // Redis agrees: stock 0, two reservations pending, both marked sent.
+    // Redis agrees: every unit is reserved.
     let stock = redis_cmd(&engine.redis, &["GET", "seckill:{10001:20001}:stock"]);
     assert_eq!(stock, "0");
 }
@@ -192,6 +199,9 @@ fn redis_down_is_system_busy_and_query_unknown_then_recovers() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(ok, "engine did not recover after Redis came back");
+    // The restarted Redis forgot "before" (no persistence, no worker here to have made it an
+    // order); what it holds now reconciles with PostgreSQL.
+    engine.assert_reconciled(21, 22);
 }
 
 #[test]
@@ -256,6 +266,7 @@ fn nats_down_is_queued_pending_and_the_scanner_republishes() {
         let (_, v) = engine.submit(&mut c, 500, 31, 32, "reopen");
         state(&v) == "QUEUED"
     });
+    engine.assert_reconciled(31, 32);
 }
 
 fn stream_messages(engine: &Engine, stream: &str) -> u64 {
@@ -278,22 +289,33 @@ fn redis_timeout_after_write_is_unknown() {
     redis_cmd(&engine.redis, &["CLIENT", "PAUSE", "1500", "WRITE"]);
     let (status, unknown) = engine.submit(&mut c, 1, 41, 42, "u-1");
     assert_eq!((status, state(&unknown)), (503, "UNKNOWN"), "{unknown}");
-    std::thread::sleep(Duration::from_millis(1600));
-    // The retry with the same request id finds what the script did (or does it now).
-    let (status, retry) = engine.submit(&mut c, 1, 41, 42, "u-1");
-    assert_eq!(status, 202, "{retry}");
+    // The retry with the same request id finds what the script did (or does it now); one
+    // sent while writes are still paused is unknown again (or, once those timeouts opened the
+    // Redis circuit, busy until it probes), and is retried the same way.
+    let mut retries = 0;
+    wait_for_ms("a retry answered once the pause ends", 20_000, || {
+        retries += 1;
+        let (status, retry) = engine.submit(&mut c, 1, 41, 42, "u-1");
+        match (status, state(&retry)) {
+            (202, _) => true,
+            (503, "UNKNOWN" | "SYSTEM_BUSY") => false,
+            other => panic!("unexpected retry answer {other:?}: {retry}"),
+        }
+    });
+    println!("answered on retry {retries}");
     let stock = redis_cmd(&engine.redis, &["GET", "seckill:{41:42}:stock"]);
     assert_eq!(stock, "4", "exactly one unit reserved for the request");
+    engine.assert_reconciled(41, 42);
 }
 
 #[test]
 fn requests_cross_shards_and_pipelining_is_ordered() {
     let engine = Engine::start();
     // One (activity, sku) owned by each shard (the admin API holds one SKU per activity).
-    let table = flashsale_engine::router::PartitionTable::new(2, &[]).unwrap();
+    let table = flashsale_engine::logic::router::PartitionTable::new(2, &[]).unwrap();
     let mut owned: [Option<(u64, u64)>; 2] = [None, None];
     for activity in 51..200u64 {
-        let owner = table.owner(flashsale_engine::router::SkuKey::new(activity, 1));
+        let owner = table.owner(flashsale_engine::logic::router::SkuKey::new(activity, 1));
         owned[owner].get_or_insert((activity, 1));
     }
     let skus = [owned[0].unwrap(), owned[1].unwrap()];
@@ -409,7 +431,7 @@ fn admission_bound_is_overloaded_and_user_limit_is_rate_limited() {
         // One Redis attempt per second for the SKU, and a user may send 3 requests at once.
         c.edge.partition.attempts_burst = 1;
         c.edge.partition.attempts_per_s = 1;
-        c.edge.user_rate = flashsale_engine::limiter::Rate { per_s: 1, burst: 3 };
+        c.edge.user_rate = flashsale_engine::logic::limiter::Rate { per_s: 1, burst: 3 };
     });
     engine.create_activity(71, 72, 10);
     let mut c = HttpClient::connect(engine.http());
@@ -434,51 +456,17 @@ fn admission_bound_is_overloaded_and_user_limit_is_rate_limited() {
     assert_eq!(states[3], (429, "RATE_LIMITED".to_string()), "{states:?}");
 }
 
-/// Publishes one outbox event the way the outbox publisher does (for redis-sync tests).
-fn publish_event(engine: &Engine, event_id: i64, event: &flashsale_io::wire::ReservationEvent) {
+/// The stream sequence up to which the `redis-sync` consumer has acknowledged every event.
+fn events_acked(engine: &Engine) -> u64 {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
-        let config = flashsale_io::log::LogConfig {
-            url: engine.nats.url(),
-            ..flashsale_io::log::LogConfig::default()
-        };
-        let log = flashsale_io::log::Log::connect(&config).await.unwrap();
-        log.publisher()
-            .publish_event(event_id, event.event_type, bytes::Bytes::from(event.encode()), None)
-            .await
-            .unwrap();
-    });
-}
-
-/// The reservation as Redis recorded it, as an order-create message would carry it.
-fn message_of(
-    engine: &Engine,
-    activity: u64,
-    sku: u64,
-    resv: &str,
-    user: u64,
-    request_id: &str,
-) -> flashsale_io::wire::OrderCreate {
-    let key = format!("seckill:{{{activity}:{sku}}}:resv:{resv}");
-    let field = |f: &str| redis_cmd(&engine.redis, &["HGET", &key, f]);
-    flashsale_io::wire::OrderCreate {
-        schema_version: 1,
-        event_type: flashsale_io::wire::ORDER_CREATE_EVENT_TYPE.to_string(),
-        message_id: field("message_id"),
-        message_key: resv.to_string(),
-        request_id: request_id.to_string(),
-        reservation_id: resv.to_string(),
-        activity_id: activity,
-        sku_id: sku,
-        user_id: user,
-        quantity: 1,
-        reserved_at_ms: field("reserved_at").parse().unwrap(),
-        reservation_expires_at_ms: field("expires_at").parse().unwrap(),
-        retry_count: 0,
-        payload_hash: field("payload_hash"),
-        traceparent: None,
-        created_at_ms: 0,
-    }
+        let client = async_nats::connect(engine.nats.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let stream = js.get_stream(flashsale_io::log::EVENTS_STREAM).await.unwrap();
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer(flashsale_io::log::REDIS_SYNC_CONSUMER).await.unwrap();
+        consumer.info().await.unwrap().ack_floor.stream_sequence
+    })
 }
 
 fn wait_for(what: &str, f: impl FnMut() -> bool) {
@@ -498,8 +486,8 @@ fn redis_sync_applies_results_and_compensation_clears_sold_out() {
     assert_eq!(state(&sold), "SOLD_OUT");
 
     // order_created → the query says SUCCEEDED with the order id; the reservation left pending.
-    let message = message_of(&engine, 81, 82, &resv, 1, "s-1");
-    publish_event(&engine, 1, &ReservationEvent::order_created(&message, "ord_test_1", 0));
+    let message = engine.order_create_of(81, 82, &resv, 1, "s-1");
+    engine.publish_event(1, &ReservationEvent::order_created(&message, "ord_test_1", 0));
     wait_for("SUCCEEDED", || {
         let (_, v) = engine.query(&mut c, 1, 81, 82, "s-1");
         state(&v) == "SUCCEEDED" && v["order_id"] == "ord_test_1"
@@ -515,16 +503,17 @@ fn redis_sync_applies_results_and_compensation_clears_sold_out() {
         let mut c2 = HttpClient::connect(engine.http());
         assert_eq!(state(&engine.submit(&mut c2, 5, 83, 84, "e-5").1), "SOLD_OUT");
     }
-    let message = message_of(&engine, 83, 84, &resv, 1, "e-1");
+    let message = engine.order_create_of(83, 84, &resv, 1, "e-1");
     let event = ReservationEvent::rejected(&message, RejectReason::Expired, 0);
-    publish_event(&engine, 2, &event);
+    engine.publish_event(2, &event);
     // Delivered twice (a new event id, as a re-emitted outcome would be): applied once.
-    publish_event(&engine, 3, &event);
+    engine.publish_event(3, &event);
     wait_for("FAILED/EXPIRED", || {
         let (_, v) = engine.query(&mut c, 1, 83, 84, "e-1");
         state(&v) == "FAILED" && v["reason_code"] == "EXPIRED"
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // Both deliveries consumed (acknowledged by redis-sync) before the stock is read.
+    wait_for("redis-sync acknowledged both deliveries", || events_acked(&engine) >= 3);
     assert_eq!(
         redis_cmd(&engine.redis, &["GET", "seckill:{83:84}:stock"]),
         "1",
@@ -568,8 +557,17 @@ fn an_ended_activity_is_answered_on_the_owner_after_the_snapshot_refresh() {
         &engine.redis,
         &["HSET", "seckill:{95:96}:meta", "status", "TERMINATED", "version", "2"],
     );
-    // Redis says so at once; after the owner's refresh (1 s) it answers without calling Redis.
-    std::thread::sleep(Duration::from_millis(1_500));
+    // Redis says so at once; after the owner's refresh (every 1 s) it answers without calling
+    // Redis: wait for that answer (a fresh buyer each probe, nothing can be reserved).
+    let mut probe = 100;
+    wait_for("the owner's snapshot refresh", || {
+        probe += 1;
+        let lua_before = metric(&engine.metrics(), "flashsale_lua_latency_seconds_count");
+        let (status, v) = engine.submit(&mut c, probe, 95, 96, &format!("a-{probe}"));
+        assert_eq!((status, state(&v)), (200, "ACTIVITY_NOT_ACTIVE"), "{v}");
+        metric(&engine.metrics(), "flashsale_lua_latency_seconds_count") == lua_before
+    });
+    println!("answered locally after {} probes", probe - 100);
     let lua_before = metric(&engine.metrics(), "flashsale_lua_latency_seconds_count");
     for user in 10..15 {
         let (status, v) = engine.submit(&mut c, user, 95, 96, &format!("a-{user}"));
@@ -638,4 +636,54 @@ fn slow_heads_get_408_and_idle_connections_are_closed() {
     let started = std::time::Instant::now();
     assert!(idle.is_closed(), "idle connection must be closed");
     assert!(started.elapsed() >= Duration::from_millis(400), "{:?}", started.elapsed());
+}
+
+/// Reads are limited per buyer (apart from submits) and payment callbacks with a bad
+/// signature are counted (and logged at most once a second), so neither queries nor forged
+/// callbacks can drive PostgreSQL or the log without bound.
+#[test]
+fn queries_and_order_reads_are_rate_limited_and_bad_callbacks_counted() {
+    let engine = Engine::start_with(|c| {
+        c.edge.read_user_rate = flashsale_engine::logic::limiter::Rate { per_s: 1, burst: 5 };
+        c.edge.payment_key = Some(
+            flashsale_engine::logic::key::HmacKey::from_hex("00112233445566778899aabbccddeeff")
+                .unwrap(),
+        );
+    });
+    engine.create_activity(13, 14, 5);
+    let mut c = HttpClient::connect(engine.http());
+    let (mut answered, started) = (0u64, std::time::Instant::now());
+    for _ in 0..20 {
+        let (status, v) = engine.query(&mut c, 7, 13, 14, "never-sent");
+        match status {
+            404 => answered += 1,
+            429 => assert_eq!(state(&v), "RATE_LIMITED"),
+            other => panic!("unexpected {other}: {v}"),
+        }
+    }
+    // Burst 5, then 1 a second: the first 5 are answered, and one more per second taken.
+    let refilled = started.elapsed().as_secs() + 1;
+    println!("queries answered: {answered} of 20 in {:?}", started.elapsed());
+    assert!(answered >= 5 && answered <= 5 + refilled, "{answered} answered");
+    // Order reads share the buyer's read allowance; another buyer is unaffected.
+    let pass = engine.pass(7, 13);
+    let read = c.request("GET", "/v1/orders/ord_x?activity_id=13", Some(&pass), None);
+    assert_eq!(read.status, 429, "{}", read.body);
+    assert!(read.header("retry-after").is_some());
+    let (status, other) = engine.query(&mut c, 8, 13, 14, "never-sent");
+    assert_eq!((status, state(&other)), (404, "NOT_FOUND"));
+    // Submits keep their own allowance.
+    let (status, _) = engine.submit(&mut c, 7, 13, 14, "rl-1");
+    assert_eq!(status, 202);
+
+    let forged = format!(
+        r#"{{"payment_id":"p1","order_id":"o1","status":"PAID","amount_cents":5,"signature":"{}"}}"#,
+        "a".repeat(64)
+    );
+    for _ in 0..3 {
+        let r = c.request("POST", "/v1/payments/callback", None, Some(&forged));
+        assert_eq!(r.status, 401, "{}", r.body);
+    }
+    assert_eq!(metric(&engine.metrics(), "flashsale_payment_callback_bad_signature_total"), 3);
+    engine.assert_invariants(13, 14);
 }

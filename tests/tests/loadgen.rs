@@ -41,12 +41,17 @@ fn assert_the_scenario(report: &Report) {
     // Open loop: the schedule released exactly rate × duration, all of it was written.
     assert_eq!(report.scheduled, 4_000);
     assert_eq!((report.dropped, report.unsent), (0, 0), "{}", report.render_text());
-    assert!((3_800..=4_200).contains(&report.sent), "sent {}", report.sent);
+    // Nothing dropped or left unsent: every scheduled request was written once.
+    assert_eq!(report.sent, 4_000, "{}", report.render_text());
     let e = report.errors;
     assert_eq!((e.connect, e.io, e.timeout, e.protocol), (0, 0, 0, 0), "{e:?}");
     // Every request written was answered.
     assert_eq!(report.answered, report.sent + report.retries_sent);
-    assert!(report.achieved_rps > 1_700.0, "{}", report.render_text());
+    // Reported, not asserted: the suite runs several engines at once on 2 cores.
+    println!(
+        "achieved {:.0} req/s (sent {:.0} req/s) for a schedule of 2,000 req/s",
+        report.achieved_rps, report.sent_rps
+    );
     // Exactly the stock was reserved, for as many distinct users, once each.
     assert_eq!(report.reservations_new, 100, "{}", report.render_text());
     assert_eq!(report.reservations_seen, 100);
@@ -238,10 +243,9 @@ fn drained_run_checks_orders_and_invariants_in_postgres() {
     // The 3-second share is measured and reported, not asserted: speed targets live in
     // benchmarks and reports (a loaded CI machine once delayed every order by ~5 s here).
     let ratio = report.orders_within_3s_ratio.expect("measured");
-    assert!((0.0..=1.0).contains(&ratio), "{ratio}");
     let orders = report.orders.as_ref().unwrap();
-    assert!(orders.order_delay_ms_max.is_some_and(|ms| ms >= 0.0));
-    eprintln!("order delay: {orders:?}, within 3 s: {ratio}");
+    assert!(orders.order_delay_ms_max.is_some(), "the order delays are measured: {orders:?}");
+    println!("order delay: {orders:?}, within 3 s: {ratio}");
     let redis = report.redis.as_ref().unwrap();
     assert_eq!(redis.by_status.get("ORDER_CREATED"), Some(&100), "{redis:?}");
 

@@ -12,11 +12,12 @@
 
 use std::collections::HashMap;
 
+use flashsale_io::redis::layout::ActivityStatus;
 use flashsale_io::redis::script::{
-    load_library, ActivityInvalidReason, ActivityStatus, ApplyResultArgs, ApplyResultReply,
-    ClaimDueArgs, ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions,
-    MarkSentArgs, MarkSentReply, PendingStatus, PreheatArgs, PreheatReply, RequestState,
-    ReserveArgs, ReserveReply, ScriptError, SkuKeys,
+    load_library, ActivityInvalidReason, ApplyResultArgs, ApplyResultReply, ClaimDueArgs,
+    ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions, MarkSentArgs,
+    MarkSentReply, PendingStatus, PreheatArgs, PreheatReply, RequestState, ReserveArgs,
+    ReserveReply, ScriptError, SkuKeys,
 };
 use flashsale_io::redis::{RedisClient, RedisConfig};
 use flashsale_io::resp::Reply;
@@ -148,6 +149,11 @@ async fn reserve_as(
     f.reserve(&keys(), &args).await.expect("reserve")
 }
 
+/// `reserve`'s CREATED reply for a call at `now_ms` (the SKU's TTL is [`TTL_MS`]).
+fn created(stock_after: u64, now_ms: u64) -> ReserveReply {
+    ReserveReply::Created { stock_after, expires_at_ms: now_ms + TTL_MS }
+}
+
 /// Request n by user 30000+n with payload "h", at T0 + 10 ms.
 async fn reserve_n(f: &Functions, n: u64) -> ReserveReply {
     reserve_as(f, &ids(n), 30000 + n, "h", T0 + 10).await
@@ -158,6 +164,7 @@ async fn mark_sent(f: &Functions, n: u64, now_ms: u64, order_deadline_ms: u64) -
     let args = MarkSentArgs {
         reservation_id: &ids.reservation_id,
         request_id: &ids.request_id,
+        user_id: 30000 + n,
         now_ms,
         order_deadline_ms,
     };
@@ -233,12 +240,12 @@ fn reserve_created_writes_every_key() {
         );
         let now = T0 + 1_234;
         let reply = reserve_as(&f, &ids(1), 30001, "sha256:aa", now).await;
-        assert_eq!(reply, ReserveReply::Created { stock_after: 9 });
+        assert_eq!(reply, ReserveReply::Created { stock_after: 9, expires_at_ms: now + TTL_MS });
 
         assert_eq!(stock(&f).await, Some(9));
         assert_eq!(get(&f, &key("user:30001")).await.as_deref(), Some("resv_1"));
         assert_eq!(
-            hgetall(&f, &key("req:req_1")).await,
+            hgetall(&f, &key("req:30001:req_1")).await,
             map(&[
                 ("payload_hash", "sha256:aa"),
                 ("reservation_id", "resv_1"),
@@ -277,7 +284,7 @@ fn reserve_created_writes_every_key() {
 fn reserve_replay_is_idempotent_and_other_payload_conflicts() {
     with_redis(|f| async move {
         preheat(&f, ActivityStatus::Active, 1, 1).await;
-        assert_eq!(reserve_n(&f, 1).await, ReserveReply::Created { stock_after: 0 });
+        assert_eq!(reserve_n(&f, 1).await, created(0, T0 + 10));
 
         // Replay with the same ids: the first result.
         let expected = ReserveReply::Idempotent {
@@ -302,7 +309,7 @@ fn reserve_replay_is_idempotent_and_other_payload_conflicts() {
         assert_eq!(stock(&f).await, Some(0));
         assert!(!exists(&f, &key("resv:resv_99")).await);
         assert_eq!(zcard(&f, &key("resv:pending")).await, 1);
-        assert_eq!(hgetall(&f, &key("req:req_1")).await["payload_hash"], "h");
+        assert_eq!(hgetall(&f, &key("req:30001:req_1")).await["payload_hash"], "h");
 
         // The replay reports the state the request reached.
         assert_eq!(mark_sent(&f, 1, T0 + 30, 60_000).await, MarkSentReply::Ok);
@@ -363,7 +370,7 @@ fn reserve_activity_invalid_branches_write_nothing() {
 
         // None of these recorded anything.
         assert_eq!(stock(&f).await, Some(10));
-        assert!(!exists(&f, &key("req:req_1")).await);
+        assert!(!exists(&f, &key("req:30001:req_1")).await);
         assert!(!exists(&f, &key("resv:resv_1")).await);
         assert!(!exists(&f, &key("user:30001")).await);
         assert_eq!(zcard(&f, &key("resv:pending")).await, 0);
@@ -371,9 +378,9 @@ fn reserve_activity_invalid_branches_write_nothing() {
         // The boundaries the other way: exactly start_ms and end_ms - 1 are inside.
         preheat(&f, ActivityStatus::Active, 5, 10).await;
         let at_start = reserve_as(&f, &ids(1), 30001, "h", T0).await;
-        assert_eq!(at_start, ReserveReply::Created { stock_after: 9 });
+        assert_eq!(at_start, created(9, T0));
         let last_ms = reserve_as(&f, &ids(2), 30002, "h", T0 + WINDOW_MS - 1).await;
-        assert_eq!(last_ms, ReserveReply::Created { stock_after: 8 });
+        assert_eq!(last_ms, created(8, T0 + WINDOW_MS - 1));
     });
 }
 
@@ -381,24 +388,18 @@ fn reserve_activity_invalid_branches_write_nothing() {
 fn reserve_duplicate_user_gets_the_first_reservation() {
     with_redis(|f| async move {
         preheat(&f, ActivityStatus::Active, 1, 10).await;
-        assert_eq!(
-            reserve_as(&f, &ids(1), 777, "h", T0 + 1).await,
-            ReserveReply::Created { stock_after: 9 }
-        );
+        assert_eq!(reserve_as(&f, &ids(1), 777, "h", T0 + 1).await, created(9, T0 + 1));
         // A different request (and payload) from the same user.
         assert_eq!(
             reserve_as(&f, &ids(2), 777, "h2", T0 + 2).await,
             ReserveReply::DuplicateUser { reservation_id: "resv_1".into() }
         );
         assert_eq!(stock(&f).await, Some(9));
-        assert!(!exists(&f, &key("req:req_2")).await, "a losing request is not recorded");
+        assert!(!exists(&f, &key("req:777:req_2")).await, "a losing request is not recorded");
         assert!(!exists(&f, &key("resv:resv_2")).await);
         assert_eq!(get(&f, &key("user:777")).await.as_deref(), Some("resv_1"));
         // Another user is unaffected.
-        assert_eq!(
-            reserve_as(&f, &ids(3), 778, "h", T0 + 3).await,
-            ReserveReply::Created { stock_after: 8 }
-        );
+        assert_eq!(reserve_as(&f, &ids(3), 778, "h", T0 + 3).await, created(8, T0 + 3));
     });
 }
 
@@ -410,17 +411,17 @@ fn reserve_sells_the_last_unit_then_sold_out() {
         assert!(exists(&f, &key("soldout")).await, "preheat with 0 marks sold out");
         assert_eq!(reserve_n(&f, 1).await, ReserveReply::SoldOut);
         assert_eq!(stock(&f).await, Some(0));
-        assert!(!exists(&f, &key("req:req_1")).await, "sold-out requests are not recorded");
+        assert!(!exists(&f, &key("req:30001:req_1")).await, "sold-out requests are not recorded");
         assert!(!exists(&f, &key("user:30001")).await);
 
         // Stock 1: the last unit sets soldout in the same step.
         cmd(&f, &["SET", &key("stock"), "1"]).await;
         cmd(&f, &["DEL", &key("soldout")]).await;
-        assert_eq!(reserve_n(&f, 2).await, ReserveReply::Created { stock_after: 0 });
+        assert_eq!(reserve_n(&f, 2).await, created(0, T0 + 10));
         assert!(exists(&f, &key("soldout")).await);
         assert_eq!(reserve_n(&f, 3).await, ReserveReply::SoldOut);
         assert_eq!(stock(&f).await, Some(0), "never below zero");
-        assert!(!exists(&f, &key("req:req_3")).await);
+        assert!(!exists(&f, &key("req:30003:req_3")).await);
 
         // A missing stock key is sold out too (and marks it).
         cmd(&f, &["DEL", &key("stock"), &key("soldout")]).await;
@@ -449,7 +450,7 @@ fn bad_arguments_are_refused_before_any_write() {
         let (meta, stock_k, req, resv, pending, soldout) = (
             key("meta"),
             key("stock"),
-            key("req:req_1"),
+            key("req:30001:req_1"),
             key("resv:resv_1"),
             key("resv:pending"),
             key("soldout"),
@@ -576,7 +577,7 @@ fn mark_sent_every_reply() {
         reserve_n(&f, 1).await;
         assert_eq!(mark_sent(&f, 1, T0 + 20, 60_000).await, MarkSentReply::Ok);
         assert_eq!(hgetall(&f, &key("resv:resv_1")).await["status"], "MESSAGE_SENT");
-        assert_eq!(hgetall(&f, &key("req:req_1")).await["state"], "QUEUED");
+        assert_eq!(hgetall(&f, &key("req:30001:req_1")).await["state"], "QUEUED");
         // Re-scored, not removed: a message lost after the ack is still republished.
         assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(T0 + 60_020));
         assert_eq!(
@@ -593,7 +594,7 @@ fn mark_sent_every_reply() {
         apply(&f, 2, FinalOutcome::Failed { reason_code: "EXPIRED" }, T0 + 30).await;
         assert_eq!(mark_sent(&f, 2, T0 + 40, 60_000).await, MarkSentReply::NotPending);
         assert_eq!(zscore(&f, &key("resv:pending"), "resv_2").await, None);
-        assert_eq!(hgetall(&f, &key("req:req_2")).await["state"], "FAILED");
+        assert_eq!(hgetall(&f, &key("req:30002:req_2")).await["state"], "FAILED");
 
         // A PENDING_MESSAGE reservation whose pending entry vanished is not re-added (ZADD XX).
         reserve_n(&f, 3).await;
@@ -604,9 +605,9 @@ fn mark_sent_every_reply() {
 
         // A req hash that belongs to another reservation is left alone.
         reserve_n(&f, 4).await;
-        cmd(&f, &["HSET", &key("req:req_4"), "reservation_id", "resv_other"]).await;
+        cmd(&f, &["HSET", &key("req:30004:req_4"), "reservation_id", "resv_other"]).await;
         assert_eq!(mark_sent(&f, 4, T0 + 40, 60_000).await, MarkSentReply::Ok);
-        assert_eq!(hgetall(&f, &key("req:req_4")).await["state"], "QUEUED_PENDING");
+        assert_eq!(hgetall(&f, &key("req:30004:req_4")).await["state"], "QUEUED_PENDING");
     });
 }
 
@@ -729,7 +730,7 @@ fn apply_result_applied_already_conflict() {
         reserve_n(&f, 1).await;
         let created = FinalOutcome::OrderCreated { order_id: "ord_1" };
         assert_eq!(apply(&f, 1, created, T0 + 100).await, ApplyResultReply::Applied);
-        let req = hgetall(&f, &key("req:req_1")).await;
+        let req = hgetall(&f, &key("req:30001:req_1")).await;
         assert_eq!((req["state"].as_str(), req["order_id"].as_str()), ("SUCCEEDED", "ord_1"));
         let resv = hgetall(&f, &key("resv:resv_1")).await;
         assert_eq!(resv["status"], "ORDER_CREATED");
@@ -742,14 +743,14 @@ fn apply_result_applied_already_conflict() {
         let other = FinalOutcome::OrderCreated { order_id: "ord_other" };
         assert_eq!(apply(&f, 1, other, T0 + 300).await, ApplyResultReply::Conflict);
         // Nothing changed by ALREADY / CONFLICT.
-        assert_eq!(hgetall(&f, &key("req:req_1")).await, req);
+        assert_eq!(hgetall(&f, &key("req:30001:req_1")).await, req);
         assert_eq!(hgetall(&f, &key("resv:resv_1")).await, resv);
 
         // FAILED: req FAILED + reason; a later ORDER_CREATED does not overwrite it.
         reserve_n(&f, 2).await;
         let failed = FinalOutcome::Failed { reason_code: "DUPLICATE_USER" };
         assert_eq!(apply(&f, 2, failed, T0 + 100).await, ApplyResultReply::Applied);
-        let req2 = hgetall(&f, &key("req:req_2")).await;
+        let req2 = hgetall(&f, &key("req:30002:req_2")).await;
         assert_eq!(
             (req2["state"].as_str(), req2["reason_code"].as_str()),
             ("FAILED", "DUPLICATE_USER")
@@ -769,11 +770,11 @@ fn apply_result_recreates_a_lost_request_record() {
     with_redis(|f| async move {
         preheat(&f, ActivityStatus::Active, 1, 10).await;
         reserve_n(&f, 1).await;
-        cmd(&f, &["DEL", &key("req:req_1")]).await;
+        cmd(&f, &["DEL", &key("req:30001:req_1")]).await;
         let created = FinalOutcome::OrderCreated { order_id: "ord_1" };
         assert_eq!(apply(&f, 1, created, T0 + 100).await, ApplyResultReply::Applied);
         assert_eq!(
-            hgetall(&f, &key("req:req_1")).await,
+            hgetall(&f, &key("req:30001:req_1")).await,
             map(&[
                 ("payload_hash", "h"),
                 ("reservation_id", "resv_1"),
@@ -799,10 +800,10 @@ fn apply_result_recreates_a_lost_request_record() {
         // Both records lost (a failover): the req comes back from the event alone, and a
         // second delivery is ALREADY (judged from req.state when resv is gone).
         reserve_n(&f, 2).await;
-        cmd(&f, &["DEL", &key("req:req_2"), &key("resv:resv_2")]).await;
+        cmd(&f, &["DEL", &key("req:30002:req_2"), &key("resv:resv_2")]).await;
         let failed = FinalOutcome::Failed { reason_code: "EXPIRED" };
         assert_eq!(apply(&f, 2, failed, T0 + 100).await, ApplyResultReply::Applied);
-        assert_eq!(hgetall(&f, &key("req:req_2")).await["state"], "FAILED");
+        assert_eq!(hgetall(&f, &key("req:30002:req_2")).await["state"], "FAILED");
         assert!(!exists(&f, &key("resv:resv_2")).await, "resv is never fabricated");
         assert_eq!(zscore(&f, &key("resv:pending"), "resv_2").await, None);
         assert_eq!(apply(&f, 2, failed, T0 + 200).await, ApplyResultReply::Already);
@@ -811,7 +812,7 @@ fn apply_result_recreates_a_lost_request_record() {
 
         // A req that belongs to another reservation is never overwritten.
         reserve_n(&f, 3).await;
-        cmd(&f, &["HSET", &key("req:req_3"), "reservation_id", "resv_someone_else"]).await;
+        cmd(&f, &["HSET", &key("req:30003:req_3"), "reservation_id", "resv_someone_else"]).await;
         let created3 = FinalOutcome::OrderCreated { order_id: "ord_3" };
         assert_eq!(apply(&f, 3, created3, T0 + 100).await, ApplyResultReply::Conflict);
         assert_eq!(hgetall(&f, &key("resv:resv_3")).await["status"], "PENDING_MESSAGE");
@@ -824,7 +825,7 @@ fn apply_result_recreates_a_lost_request_record() {
 fn compensate_returns_stock_once_and_clears_soldout() {
     with_redis(|f| async move {
         preheat(&f, ActivityStatus::Active, 1, 1).await;
-        assert_eq!(reserve_n(&f, 1).await, ReserveReply::Created { stock_after: 0 });
+        assert_eq!(reserve_n(&f, 1).await, created(0, T0 + 10));
         assert!(exists(&f, &key("soldout")).await);
 
         assert_eq!(
@@ -839,20 +840,18 @@ fn compensate_returns_stock_once_and_clears_soldout() {
             (resv["status"].as_str(), resv["last_error_code"].as_str()),
             ("COMPENSATED", "EXPIRED")
         );
-        let req = hgetall(&f, &key("req:req_1")).await;
+        let req = hgetall(&f, &key("req:30001:req_1")).await;
         assert_eq!((req["state"].as_str(), req["reason_code"].as_str()), ("FAILED", "EXPIRED"));
         assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, None);
-        assert!(exists(&f, &key("comp:resv_1")).await);
+        // The marker says what it returned (reconcile counts units from it).
+        assert_eq!(get(&f, &key("comp:resv_1")).await.as_deref(), Some("EXPIRED|1"));
 
         // The same compensation again (a redelivered event): no second return.
         assert_eq!(compensate(&f, 1, true, true, "EXPIRED").await, CompensateReply::AlreadyApplied);
         assert_eq!(stock(&f).await, Some(1), "stock returned exactly once");
 
         // The released user may buy again; a replay of the old request reports FAILED.
-        assert_eq!(
-            reserve_as(&f, &ids(2), 30001, "h", T0 + 60).await,
-            ReserveReply::Created { stock_after: 0 }
-        );
+        assert_eq!(reserve_as(&f, &ids(2), 30001, "h", T0 + 60).await, created(0, T0 + 60));
         assert!(matches!(
             reserve_n(&f, 1).await,
             ReserveReply::Idempotent { state: RequestState::Failed, reason_code: Some(r), .. }
@@ -869,7 +868,7 @@ fn compensate_flags_and_user_ownership() {
     with_redis(|f| async move {
         preheat(&f, ActivityStatus::Active, 1, 2).await;
         reserve_n(&f, 1).await;
-        assert_eq!(reserve_n(&f, 2).await, ReserveReply::Created { stock_after: 0 });
+        assert_eq!(reserve_n(&f, 2).await, created(0, T0 + 10));
 
         // No final stock: release the user, keep sold out (stock not returned).
         assert_eq!(
@@ -978,7 +977,7 @@ fn function_not_found_reloads_and_resends_once() {
             "the server really lost the library"
         );
         // The call succeeds, and ran exactly once (stock 5 -> 4).
-        assert_eq!(reserve_n(&f, 1).await, ReserveReply::Created { stock_after: 4 });
+        assert_eq!(reserve_n(&f, 1).await, created(4, T0 + 10));
         assert_eq!(stock(&f).await, Some(4));
         let list = cmd(&f, &["FUNCTION", "LIST", "LIBRARYNAME", "seckill"]).await;
         assert_eq!(list.as_array().map(<[Reply]>::len), Some(1), "library loaded again");
@@ -997,7 +996,7 @@ fn function_not_found_reloads_and_resends_once() {
         let mut stocks = Vec::new();
         for t in tasks {
             match t.await {
-                ReserveReply::Created { stock_after } => stocks.push(stock_after),
+                ReserveReply::Created { stock_after, .. } => stocks.push(stock_after),
                 other => panic!("expected CREATED, got {other:?}"),
             }
         }

@@ -980,3 +980,674 @@ async fn the_order_functions_cannot_be_planned_into_sequential_scans() {
     let with_setting = plan(lookup).await;
     assert!(with_setting.contains("inventory_reservation_pkey"), "{with_setting}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The set-based path against the per-message path
+// ---------------------------------------------------------------------------------------------
+
+use std::collections::HashMap;
+
+use flashsale_pg_worker::deadpool_postgres::ClientWrapper;
+use flashsale_pg_worker::set_writer::{write_set_once, Attempt};
+use flashsale_pg_worker::write_batch_per_message;
+
+/// A fresh migrated database and a pooled-style connection to it (no NATS: the transaction
+/// alone).
+struct Db {
+    db: flashsale_tests::TestDb,
+    client: Client,
+    writer: ClientWrapper,
+}
+
+async fn fresh_db() -> Db {
+    let db = flashsale_tests::pg_database().await;
+    let mut client = connect(&db.url).await;
+    flashsale_pg_worker::migrate(&mut client).await.expect("migrate");
+    let writer = wrapped(&db.url, None).await;
+    Db { db, client, writer }
+}
+
+/// A connection as the pool hands it out; with `notices`, every NOTICE the server sends on it
+/// (auto_explain's plans) goes there.
+async fn wrapped(
+    url: &str,
+    notices: Option<tokio::sync::mpsc::UnboundedSender<String>>,
+) -> ClientWrapper {
+    use futures::StreamExt;
+    let (client, mut connection) =
+        tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    let task = tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let (tokio_postgres::AsyncMessage::Notice(notice), Some(to)) = (message, &notices) {
+                let _ = to.send(notice.message().to_owned());
+            }
+        }
+    });
+    ClientWrapper::new(client, task)
+}
+
+/// Every row the order transaction writes, without generated ids and timestamps, one JSON
+/// object per line, in a fixed order (events in event-id order: their order is part of the
+/// contract).
+async fn canonical_dump(client: &Client) -> String {
+    const QUERIES: [(&str, &str); 7] = [
+        (
+            "orders",
+            "SELECT order_id, activity_id, sku_id, user_id, request_id, reservation_id, \
+                    inventory_token_id, status FROM orders ORDER BY order_id",
+        ),
+        (
+            "inventory_token",
+            "SELECT token_id, status, reservation_id, order_id, \
+                    claimed_at IS NOT NULL AS claimed FROM inventory_token ORDER BY token_id",
+        ),
+        (
+            "consumer_inbox",
+            "SELECT consumer_group, message_id, reservation_id FROM consumer_inbox \
+                    ORDER BY consumer_group, message_id",
+        ),
+        (
+            "inventory_reservation",
+            "SELECT reservation_id, request_id, message_id, activity_id, \
+                    sku_id, user_id, status, order_id, reserved_at, expires_at \
+                    FROM inventory_reservation ORDER BY reservation_id",
+        ),
+        (
+            "inventory_ledger",
+            "SELECT activity_id, sku_id, token_id, order_id, reservation_id, \
+                    kind FROM inventory_ledger ORDER BY reservation_id, kind",
+        ),
+        (
+            "event_outbox",
+            "SELECT aggregate_id, event_type, payload, published_at \
+                    FROM event_outbox ORDER BY event_id",
+        ),
+        (
+            "sku_inventory",
+            "SELECT activity_id, sku_id, total_stock, allocator, available_stock \
+                    FROM sku_inventory ORDER BY activity_id, sku_id",
+        ),
+    ];
+    let mut dump = String::new();
+    for (table, query) in QUERIES {
+        let sql = format!(
+            "SELECT coalesce(string_agg(row_to_json(t)::text, E'\\n'), '') FROM ({query}) t"
+        );
+        let rows: String = client.query_one(&sql, &[]).await.expect(table).get(0);
+        dump.push_str(&format!("-- {table}\n{rows}\n"));
+    }
+    dump
+}
+
+/// The outcome with its timing made comparable: whether a claim was timed, not how long.
+fn comparable(outcome: &WriteOutcome) -> WriteOutcome {
+    let timed = |us: &Option<i64>| us.map(|_| 0);
+    match outcome {
+        WriteOutcome::Created { order_id, token_id, claim_us } => WriteOutcome::Created {
+            order_id: order_id.clone(),
+            token_id: token_id.clone(),
+            claim_us: timed(claim_us),
+        },
+        WriteOutcome::Rejected { reason, claim_us } => {
+            WriteOutcome::Rejected { reason: *reason, claim_us: timed(claim_us) }
+        }
+        other => other.clone(),
+    }
+}
+
+/// How a script's batch is written on the set-based side.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum SetSide {
+    /// `write_set_once`: must commit set-based (no fallback).
+    SetOnly,
+    /// `write_batch`: the set is refused and the batch falls back (a poisoned message).
+    WithFallback,
+}
+
+/// Both databases of an equivalence run: the per-message path writes `old`, the set-based
+/// path `new`; each step checks the outcomes, the end checks every row.
+struct Pair {
+    old: Db,
+    new: Db,
+    now_ms: u64,
+}
+
+impl Pair {
+    async fn new() -> Pair {
+        Pair { old: fresh_db().await, new: fresh_db().await, now_ms: now_ms() }
+    }
+
+    async fn both(&self, sql: &str) {
+        for db in [&self.old, &self.new] {
+            db.client.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+    }
+
+    async fn seed(&self, activity_id: i64, sku_id: i64, stock: i64, allocator: &str) {
+        for db in [&self.old, &self.new] {
+            seed_sku(&db.client, activity_id, sku_id, stock, allocator).await;
+        }
+    }
+
+    /// Writes `batch` both ways and asserts the same outcomes; returns them.
+    async fn step(&self, label: &str, batch: &[OrderCreate], side: SetSide) -> Vec<WriteOutcome> {
+        let refs: Vec<&OrderCreate> = batch.iter().collect();
+        let old =
+            write_batch_per_message(&self.old.writer, ORDER_WRITER_CONSUMER, &refs, self.now_ms)
+                .await
+                .unwrap_or_else(|e| panic!("{label}: per-message: {e}"));
+        let new = match side {
+            SetSide::SetOnly => {
+                match write_set_once(&self.new.writer, ORDER_WRITER_CONSUMER, &refs, self.now_ms)
+                    .await
+                    .unwrap_or_else(|e| panic!("{label}: set-based: {e}"))
+                {
+                    Attempt::Committed(outcomes) => outcomes,
+                    Attempt::Refused(reason, error) => {
+                        panic!(
+                            "{label}: the set-based path refused the batch ({reason:?}): {error}"
+                        )
+                    }
+                }
+            }
+            SetSide::WithFallback => {
+                match write_set_once(&self.new.writer, ORDER_WRITER_CONSUMER, &refs, self.now_ms)
+                    .await
+                    .expect("set attempt")
+                {
+                    Attempt::Refused(..) => {}
+                    Attempt::Committed(_) => panic!("{label}: expected the set to be refused"),
+                }
+                write_batch(&self.new.writer, ORDER_WRITER_CONSUMER, &refs, self.now_ms)
+                    .await
+                    .unwrap_or_else(|e| panic!("{label}: set-based with fallback: {e}"))
+            }
+        };
+        let comparable_old: Vec<WriteOutcome> = old.iter().map(comparable).collect();
+        let comparable_new: Vec<WriteOutcome> = new.iter().map(comparable).collect();
+        assert_eq!(comparable_new, comparable_old, "{label}: outcomes differ");
+        old
+    }
+
+    async fn assert_same_rows(&self) {
+        let (old, new) =
+            (canonical_dump(&self.old.client).await, canonical_dump(&self.new.client).await);
+        if old != new {
+            let first = old.lines().zip(new.lines()).position(|(a, b)| a != b);
+            panic!(
+                "rows differ (first differing line {first:?}):\n--- per-message\n{old}\n--- set-based\n{new}"
+            );
+        }
+    }
+}
+
+fn with_ids(mut m: OrderCreate, message_tag: &str) -> OrderCreate {
+    m.message_id = format!("msg_{message_tag}");
+    m
+}
+
+/// Every outcome of DESIGN.md section 5, both allocators, through both paths: the same
+/// outcomes message by message and the same rows in every table.
+#[tokio::test]
+async fn the_set_based_path_writes_what_the_per_message_path_writes() {
+    const TERMINATED: i64 = 10002;
+    const T: i64 = 1; // TOKEN, 3 units
+    const R: i64 = 2; // ROW, 3 units
+    const L: i64 = 3; // TOKEN, 5 units, all held by another transaction at first
+    let pair = Pair::new().await;
+    pair.seed(ACTIVITY, T, 3, "TOKEN").await;
+    pair.seed(ACTIVITY, R, 3, "ROW").await;
+    pair.seed(ACTIVITY, L, 5, "TOKEN").await;
+    seed_activity(&pair.old.client, TERMINATED, "TERMINATED").await;
+    seed_activity(&pair.new.client, TERMINATED, "TERMINATED").await;
+    pair.seed(TERMINATED, T, 2, "TOKEN").await;
+    // An ENDED activity still honours reservations taken inside its window.
+    pair.seed(10003, T, 1, "ROW").await;
+    pair.both("UPDATE activity SET status = 'ENDED' WHERE activity_id = 10003").await;
+    let lockers = [lock_all_tokens_of(&pair.old, L).await, lock_all_tokens_of(&pair.new, L).await];
+
+    let m = |sku: i64, user: u64, tag: &str| message(ACTIVITY, sku, user, tag);
+    let m1 = m(T, 1, "m1");
+    let m2 = m(T, 2, "m2");
+    let m3 = m(T, 1, "m3"); // m1's buyer: a duplicate within the batch, a unit to spare
+    let x1 = expired(m(T, 9, "x1"));
+    let t1 = message(TERMINATED, T, 3, "t1");
+    let u1 = message(999, T, 4, "u1"); // an activity PostgreSQL does not know
+    let e1 = message(10003, T, 4, "e1");
+    let r1 = m(R, 1, "r1");
+    let r2 = m(R, 1, "r2"); // r1's buyer
+    let r3 = m(R, 3, "r3");
+    let m2_twin = with_ids(m2.clone(), "m2twin"); // m2's reservation under another message id
+    let c1 = m(L, 1, "c1"); // contended
+    let first = vec![
+        m1.clone(),
+        m2.clone(),
+        m1.clone(),
+        m3,
+        x1.clone(),
+        t1,
+        u1,
+        e1,
+        r1,
+        r2,
+        r3,
+        m2_twin,
+        c1.clone(),
+        c1.clone(),
+        x1.clone(),
+    ];
+    let outcomes = pair.step("first batch", &first, SetSide::SetOnly).await;
+    // The script covers what it claims to (checked on the per-message side, which is the
+    // reference): created, duplicates, every rejection, contention.
+    let kinds: Vec<&str> = outcomes.iter().map(kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            "created",
+            "created",
+            "duplicate",
+            "rejected",
+            "rejected",
+            "rejected",
+            "rejected",
+            "created",
+            "created",
+            "rejected",
+            "created",
+            "duplicate",
+            "contended",
+            "contended",
+            "duplicate"
+        ]
+    );
+
+    let m4 = m(T, 5, "m4"); // the last TOKEN unit
+    let m5 = m(T, 6, "m5"); // none left
+    let m6 = m(T, 2, "m6"); // m2's buyer, but no unit left: no final stock comes first
+    let r4 = m(R, 4, "r4");
+    let r5 = m(R, 5, "r5"); // none left
+    let r6 = m(R, 3, "r6"); // r3's buyer across batches, no unit left either
+    let m1_twin = with_ids(m1.clone(), "m1twin"); // across batches
+    let second = vec![m1.clone(), m4, m5, m6, r4, r5, r6, m1_twin, x1.clone(), c1.clone()];
+    let outcomes = pair.step("second batch", &second, SetSide::SetOnly).await;
+    assert_eq!(
+        outcomes.iter().map(kind).collect::<Vec<_>>(),
+        [
+            "duplicate",
+            "created",
+            "rejected",
+            "rejected",
+            "created",
+            "rejected",
+            "rejected",
+            "duplicate",
+            "duplicate",
+            "contended"
+        ]
+    );
+
+    // The holder goes away: the contended message now succeeds; a buyer with an order from
+    // an earlier batch and a unit to spare is a duplicate buyer (the unit goes back).
+    for locker in &lockers {
+        locker.batch_execute("ROLLBACK").await.expect("release");
+    }
+    let c2 = m(L, 1, "c2");
+    let third = vec![c1.clone(), c2.clone(), m(L, 7, "c3"), c2];
+    let outcomes = pair.step("third batch", &third, SetSide::SetOnly).await;
+    assert_eq!(
+        outcomes.iter().map(kind).collect::<Vec<_>>(),
+        ["created", "rejected", "created", "duplicate"]
+    );
+
+    // A poisoned message (its order id is taken): the set is refused, the batch falls back,
+    // and the other messages commit on both sides.
+    pair.seed(ACTIVITY, 99, 1, "ROW").await;
+    pair.both(&format!(
+        "INSERT INTO orders (order_id, activity_id, sku_id, user_id, request_id, reservation_id) \
+         VALUES ('ord_poison', {ACTIVITY}, 99, 999999, 'req_other', 'resv_other')"
+    ))
+    .await;
+    let fourth = vec![m(L, 8, "p1"), m(L, 5_000, "poison"), m(L, 9, "p2")];
+    let outcomes = pair.step("poisoned batch", &fourth, SetSide::WithFallback).await;
+    assert_eq!(outcomes.iter().map(kind).collect::<Vec<_>>(), ["created", "failed", "created"]);
+
+    pair.assert_same_rows().await;
+    for db in [&pair.old, &pair.new] {
+        for (activity, sku) in [(ACTIVITY, T), (ACTIVITY, R), (ACTIVITY, L), (TERMINATED, T)] {
+            let report = flashsale_pg_worker::check_invariants(&db.client, activity, sku)
+                .await
+                .expect("invariants");
+            assert!(report.ok(), "{}: {report:#?}", db.db.name);
+        }
+    }
+}
+
+/// Holds every token of a SKU of `ACTIVITY` locked in an open transaction.
+async fn lock_all_tokens_of(db: &Db, sku_id: i64) -> Client {
+    let locker = connect(&db.db.url).await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT token_id FROM inventory_token WHERE activity_id = {ACTIVITY} \
+             AND sku_id = {sku_id} FOR UPDATE"
+        ))
+        .await
+        .expect("lock tokens");
+    locker
+}
+
+/// Random message sequences (seeded, the seed printed): repeats, reservations under two
+/// message ids, shared buyers, expiries, the TERMINATED and unknown activities, both
+/// allocators, a SKU half held by another transaction; batches of 1 to 40. Both paths must
+/// answer and write the same.
+#[tokio::test]
+async fn random_sequences_give_the_same_rows_on_both_paths() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = std::env::var("FLASHSALE_EQUIVALENCE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    println!("FLASHSALE_EQUIVALENCE_SEED={seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    const RUNS: i64 = 12;
+    let pair = Pair::new().await;
+    seed_activity(&pair.old.client, 20_999, "TERMINATED").await;
+    seed_activity(&pair.new.client, 20_999, "TERMINATED").await;
+    pair.seed(20_999, 1, 3, "TOKEN").await;
+    for run in 0..RUNS {
+        let activity = 20_000 + run;
+        pair.seed(activity, 1, rng.gen_range(0..6), "TOKEN").await;
+        pair.seed(activity, 2, rng.gen_range(0..6), "ROW").await;
+        pair.seed(activity, 3, 6, "TOKEN").await;
+    }
+    // SKU 3: tokens 1-3 of every run held by another transaction (partly contended).
+    let hold = "BEGIN; SELECT token_id FROM inventory_token WHERE activity_id >= 20000 \
+                AND activity_id < 20999 AND sku_id = 3 AND seq <= 3 FOR UPDATE";
+    let mut lockers = Vec::new();
+    for db in [&pair.old, &pair.new] {
+        let locker = connect(&db.db.url).await;
+        locker.batch_execute(hold).await.expect("hold");
+        lockers.push(locker);
+    }
+    let mut totals: HashMap<&'static str, usize> = HashMap::new();
+    for run in 0..RUNS {
+        let activity = 20_000 + run;
+        // A pool of message bodies: a message id always carries the same body.
+        let bodies: Vec<OrderCreate> = (0..30)
+            .map(|n| {
+                let tag = format!("s{seed}_{run}_{n}");
+                let (activity, sku) = match rng.gen_range(0..10) {
+                    0 => (20_999, 1),
+                    1 => (998, 1),
+                    k => (activity, 1 + k % 3),
+                };
+                let mut m = message(activity, sku, rng.gen_range(1..8), &tag);
+                if rng.gen_bool(0.2) {
+                    // Another message's reservation under this message id.
+                    m.reservation_id = format!("resv_s{seed}_{run}_{}", rng.gen_range(0..30));
+                }
+                if rng.gen_bool(0.1) {
+                    m = expired(m);
+                }
+                m
+            })
+            .collect();
+        for step in 0..4 {
+            let size = rng.gen_range(1..=40);
+            let batch: Vec<OrderCreate> =
+                (0..size).map(|_| bodies[rng.gen_range(0..bodies.len())].clone()).collect();
+            let label = format!("seed {seed} run {run} batch {step}");
+            for outcome in pair.step(&label, &batch, SetSide::SetOnly).await {
+                *totals.entry(kind(&outcome)).or_default() += 1;
+            }
+        }
+    }
+    println!("outcomes over every batch: {totals:?}");
+    pair.assert_same_rows().await;
+    for kind in ["created", "rejected", "duplicate", "contended"] {
+        assert!(totals.get(kind).copied().unwrap_or(0) > 0, "no {kind} outcome: {totals:?}");
+    }
+}
+
+/// The set-based functions' statements keep per-row index lookups in their cached generic
+/// plans, even after the tables were analyzed empty (the trap of FIELD-NOTES.md: a lookup or an
+/// EXISTS planned on an empty table becomes a sequential or hashed whole-table scan per
+/// batch). auto_explain prints every statement's plan inside the functions as a NOTICE; the
+/// generic plans are forced, which is what PL/pgSQL caches after five calls.
+#[tokio::test]
+async fn the_set_based_functions_keep_index_lookups_in_generic_plans() {
+    let db = fresh_db().await;
+    db.client.batch_execute("ANALYZE").await.expect("analyze the empty tables");
+    seed_sku(&db.client, ACTIVITY, 1, 50, "TOKEN").await;
+    seed_sku(&db.client, ACTIVITY, 2, 50, "ROW").await;
+    seed_sku(&db.client, ACTIVITY, 3, 2, "TOKEN").await;
+    let locker = connect(&db.db.url).await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM inventory_token WHERE activity_id = {ACTIVITY} AND sku_id = 3 \
+             FOR UPDATE"
+        ))
+        .await
+        .expect("hold SKU 3");
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let writer = wrapped(&db.db.url, Some(tx)).await;
+    writer
+        .batch_execute(
+            "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0; \
+             SET auto_explain.log_nested_statements = on; SET auto_explain.log_level = notice; \
+             SET plan_cache_mode = force_generic_plan",
+        )
+        .await
+        .expect("auto_explain");
+    let batch: Vec<OrderCreate> = vec![
+        message(ACTIVITY, 1, 1, "g1"),
+        message(ACTIVITY, 1, 1, "g2"), // the same buyer
+        message(ACTIVITY, 2, 1, "g3"),
+        message(ACTIVITY, 3, 2, "g4"), // contended
+        expired(message(ACTIVITY, 1, 3, "g5")),
+    ];
+    for round in 0..2 {
+        // The second round: every message a duplicate of the first.
+        let refs: Vec<&OrderCreate> = batch.iter().collect();
+        match write_set_once(&writer, ORDER_WRITER_CONSUMER, &refs, now_ms()).await.expect("write")
+        {
+            Attempt::Committed(outcomes) => assert_eq!(outcomes.len(), batch.len(), "{round}"),
+            Attempt::Refused(reason, error) => panic!("refused ({reason:?}): {error}"),
+        }
+    }
+    drop(writer);
+    let mut plans = Vec::new();
+    while let Some(notice) = rx.recv().await {
+        plans.push(notice);
+    }
+    let all = plans.join("\n----\n");
+    println!("{all}");
+    for plan in &plans {
+        assert!(!plan.contains("Seq Scan on"), "a sequential scan:\n{plan}");
+        assert!(!plan.contains("Hashed SubPlan"), "a hashed subplan:\n{plan}");
+        let problems = hot_scans_that_walk(plan);
+        assert!(problems.is_empty(), "{problems:?}:\n{plan}");
+    }
+    for index in [
+        "inventory_token_available_idx",
+        "inventory_reservation_pkey",
+        "orders_activity_sku_user_key",
+        "inventory_token_pkey",
+    ] {
+        assert!(all.contains(index), "no plan uses {index}:\n{all}");
+    }
+    locker.batch_execute("ROLLBACK").await.expect("release");
+}
+
+/// The scans of a hot table in an EXPLAIN text that are not lookups by key: no index or recheck
+/// condition, or a filter on a key column (rows walked and filtered instead of looked up).
+fn hot_scans_that_walk(plan: &str) -> Vec<String> {
+    const HOT: [&str; 4] = ["inventory_reservation", "orders", "inventory_token", "consumer_inbox"];
+    const KEYS: [&str; 4] = ["message_id", "reservation_id", "token_id", "user_id"];
+    let lines: Vec<&str> = plan.lines().collect();
+    let mut problems = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let is_scan =
+            line.contains("Scan") && HOT.iter().any(|t| line.contains(&format!(" on {t} ")));
+        if !is_scan || line.contains("Bitmap Index Scan") {
+            continue;
+        }
+        let indent = line.len() - line.trim_start().len();
+        let details: Vec<&str> = lines[i + 1..]
+            .iter()
+            .take_while(|l| {
+                let l_indent = l.len() - l.trim_start().len();
+                l_indent > indent && !l.trim_start().starts_with("->")
+            })
+            .copied()
+            .collect();
+        if !details.iter().any(|d| d.contains("Index Cond:") || d.contains("Recheck Cond:")) {
+            problems.push(format!("no key condition on `{}`", line.trim()));
+        }
+        for filter in details.iter().filter(|d| d.contains("Filter:")) {
+            if KEYS.iter().any(|k| filter.contains(k)) {
+                problems.push(format!("a key filtered, not looked up: `{}`", filter.trim()));
+            }
+        }
+    }
+    problems
+}
+
+/// A buyer whose order another transaction inserts after the set-based facts were read: the
+/// set's order insert waits for it, then refuses the batch (FS001, "buyer race") instead of
+/// committing a stale plan; written again, the batch sees the order and rejects the buyer,
+/// and the unit it had locked stays AVAILABLE.
+#[tokio::test]
+async fn a_buyer_raced_by_a_concurrent_transaction_is_a_refusal_then_a_duplicate_buyer() {
+    let db = fresh_db().await;
+    seed_sku(&db.client, ACTIVITY, SKU, 5, "TOKEN").await;
+    let first = connect(&db.db.url).await;
+    let (a, b) = (message(ACTIVITY, SKU, 7, "race_a"), message(ACTIVITY, SKU, 7, "race_b"));
+    first.batch_execute("BEGIN").await.expect("begin");
+    assert_eq!(call(&first, &a).await.0, "ORDER_CREATED");
+    let writer = db.writer;
+    let task = tokio::spawn(async move {
+        let refused = write_set_once(&writer, ORDER_WRITER_CONSUMER, &[&b], now_ms())
+            .await
+            .expect("set attempt");
+        let again = write_batch(&writer, ORDER_WRITER_CONSUMER, &[&b], now_ms()).await;
+        (refused, again.expect("write"))
+    });
+    eventually("the set's order insert waits for the first transaction", WAIT, || async {
+        count(
+            &db.client,
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND datname = current_database()",
+        )
+        .await
+            == 1
+    })
+    .await;
+    first.batch_execute("COMMIT").await.expect("commit");
+    let (refused, again) = task.await.expect("join");
+    match refused {
+        Attempt::Refused(reason, error) => {
+            assert_eq!(reason.label(), "buyer_race", "{error}");
+            assert!(error.contains("FS001"), "{error}");
+        }
+        Attempt::Committed(outcomes) => panic!("committed a stale plan: {outcomes:?}"),
+    }
+    assert_eq!(
+        again.iter().map(comparable).collect::<Vec<_>>(),
+        vec![WriteOutcome::Rejected { reason: RejectReason::DuplicateUser, claim_us: Some(0) }]
+    );
+    assert_eq!(count(&db.client, "SELECT count(*) FROM orders").await, 1);
+    let report =
+        flashsale_pg_worker::check_invariants(&db.client, ACTIVITY, SKU).await.expect("invariants");
+    assert!(report.ok(), "{report:#?}");
+    assert_eq!((report.orders_live, report.tokens_available), (1, 4));
+}
+
+/// The same message in a set-based batch while another transaction holds its inbox row: the
+/// set waits for it, and then re-announces the outcome that transaction committed.
+#[tokio::test]
+async fn a_set_batch_waits_for_a_concurrent_twin_and_re_announces_its_outcome() {
+    let db = fresh_db().await;
+    seed_sku(&db.client, ACTIVITY, SKU, 5, "TOKEN").await;
+    let first = connect(&db.db.url).await;
+    let m = message(ACTIVITY, SKU, 9, "twin");
+    first.batch_execute("BEGIN").await.expect("begin");
+    assert_eq!(call(&first, &m).await.0, "ORDER_CREATED");
+    let writer = db.writer;
+    let copy = m.clone();
+    let task = tokio::spawn(async move {
+        write_set_once(&writer, ORDER_WRITER_CONSUMER, &[&copy], now_ms()).await.expect("write")
+    });
+    eventually("the set's inbox insert waits for the first transaction", WAIT, || async {
+        count(
+            &db.client,
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND datname = current_database()",
+        )
+        .await
+            == 1
+    })
+    .await;
+    first.batch_execute("COMMIT").await.expect("commit");
+    match task.await.expect("join") {
+        Attempt::Committed(outcomes) => assert_eq!(
+            outcomes,
+            vec![WriteOutcome::Duplicate {
+                recorded: Recorded::Created { order_id: m.order_id() }
+            }]
+        ),
+        Attempt::Refused(reason, error) => panic!("refused ({reason:?}): {error}"),
+    }
+    assert_eq!(count(&db.client, "SELECT count(*) FROM orders").await, 1);
+    assert_eq!(count(&db.client, "SELECT count(*) FROM consumer_inbox").await, 1);
+    assert_eq!(
+        count(&db.client, "SELECT count(*) FROM event_outbox").await,
+        1,
+        "the re-announcement"
+    );
+}
+
+/// The batch follows the backlog: a lone message on an idle worker is written at once (no
+/// waiting for a batch to fill), and a backlog is written in transactions that grow from
+/// `fetch_min` and never exceed `fetch_max` (transactions counted by the orders' xmin).
+#[tokio::test]
+async fn the_batch_grows_with_the_backlog_and_a_lone_message_does_not_wait() {
+    let stack = stack().await;
+    seed_sku(&stack.client, ACTIVITY, SKU, 1_000, "TOKEN").await;
+    let backlog: Vec<OrderCreate> =
+        (1..=600).map(|u| message(ACTIVITY, SKU, u, &format!("bk{u}"))).collect();
+    stack.publish_all(&backlog).await;
+    // Two writers of 256 fit the tests' max_ack_pending (1,000).
+    let mut config = stack.worker_config(16);
+    config.fetch_min = 16;
+    config.fetch_max = 256;
+    let worker = start(config).expect("start");
+    wait_for_orders(&stack, 600).await;
+    let sizes: Vec<i64> = stack
+        .client
+        .query("SELECT count(*) FROM orders GROUP BY xmin::text ORDER BY min(created_at)", &[])
+        .await
+        .expect("orders per transaction")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    println!("orders per transaction while draining 600: {sizes:?}");
+    assert!(sizes.iter().all(|&n| n <= 256), "a transaction above fetch_max: {sizes:?}");
+    assert!(sizes.iter().any(|&n| n > 16), "the batch never grew past fetch_min: {sizes:?}");
+    assert_eq!(sizes.first(), Some(&16), "the first pull asks fetch_min: {sizes:?}");
+
+    // Idle now: one message alone.
+    wait_drained(&stack).await;
+    let lone = message(ACTIVITY, SKU, 5_000, "lone");
+    let published = std::time::Instant::now();
+    stack.publish_all(std::slice::from_ref(&lone)).await;
+    wait_for_orders(&stack, 601).await;
+    let waited = published.elapsed();
+    println!("a lone message on an idle worker: committed {waited:?} after its publish");
+    // Generous: the pull waits at most fetch_wait_ms (50 ms) for a first message; a worker
+    // that waited for 16 messages would never commit it.
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    wait_drained(&stack).await;
+    worker.shutdown().expect("shutdown");
+    stack.assert_invariants(ACTIVITY, SKU).await;
+}

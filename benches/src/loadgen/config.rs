@@ -7,7 +7,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
-use flashsale_engine::auth::PassKeys;
+use flashsale_engine::logic::auth::PassKeys;
 
 use super::schedule::Profile;
 
@@ -118,7 +118,7 @@ impl LoadConfig {
             create_activity: false,
             users: 50_000,
             user_id_base: 1,
-            pass_keys: flashsale_engine::auth::DEV_PASS_KEYS.to_owned(),
+            pass_keys: flashsale_engine::logic::auth::DEV_PASS_KEYS.to_owned(),
             duplicate_ratio: 0.10,
             retry: RetryPolicy::SameId { retry_max: 3 },
             seed: 1,

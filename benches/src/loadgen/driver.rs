@@ -108,6 +108,11 @@ pub struct Measured {
     /// Time from the start to the last request written / the last answer read.
     pub sending_s: f64,
     pub answering_s: f64,
+    /// The schedule's zero on the wall clock, µs since the Unix epoch (another process can
+    /// align its own samples with the run: `flashsale demo`'s CPU table).
+    pub started_unix_us: u64,
+    /// Time from the start to the last answer read, µs.
+    pub last_answer_us: u64,
     pub trace: Vec<TraceEntry>,
 }
 
@@ -128,6 +133,7 @@ struct InFlight {
 struct Shared {
     params: DriveParams,
     start: Instant,
+    started_unix_us: u64,
     queue: Mutex<VecDeque<Job>>,
     work: Notify,
     recorder: Mutex<Recorder>,
@@ -227,6 +233,7 @@ pub async fn drive(params: DriveParams) -> Measured {
     let (streams, connect_errors) = open_connections(&params).await;
     let shared = Arc::new(Shared {
         start: Instant::now(),
+        started_unix_us: unix_us(),
         queue: Mutex::new(VecDeque::with_capacity(params.queue_max.min(1 << 16))),
         work: Notify::new(),
         recorder: Mutex::new(Recorder::new()),
@@ -302,8 +309,15 @@ pub async fn drive(params: DriveParams) -> Measured {
         unsent: shared.unsent.load(Ordering::Relaxed),
         sending_s: shared.last_written_us.load(Ordering::Relaxed) as f64 / 1e6,
         answering_s: shared.last_answer_us.load(Ordering::Relaxed) as f64 / 1e6,
+        started_unix_us: shared.started_unix_us,
+        last_answer_us: shared.last_answer_us.load(Ordering::Relaxed),
         trace,
     }
+}
+
+fn unix_us() -> u64 {
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since_epoch.map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Opens every connection at once (bounded by the warm-up time); returns the streams (None

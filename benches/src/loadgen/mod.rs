@@ -36,7 +36,7 @@ pub mod verify;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use flashsale_engine::ids::{ActivityId, UserId};
+use flashsale_engine::logic::ids::{ActivityId, UserId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub use config::{ConfigError, LoadConfig, Progress, RetryPolicy};

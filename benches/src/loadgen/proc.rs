@@ -4,13 +4,13 @@
 //! whether memory stays bounded.
 //!
 //! Parsing is sans-I/O ([`parse_cpu_ticks`], [`parse_status_kb`]); [`sample`] reads the files.
-//! CPU times in `/proc/PID/stat` are in USER_HZ ticks, which the kernel ABI fixes at 100 per
-//! second on every architecture this runs on (`sysconf(_SC_CLK_TCK)` would need `unsafe`).
+//! CPU times in `/proc/PID/stat` are in USER_HZ ticks (`flashsale_engine::app::cpu`, which
+//! parses the stat line for this module too).
 //!
 //! What it is not: a profiler; nothing here runs on the request path.
 
 /// Ticks of `utime`/`stime` per second (USER_HZ).
-pub const TICKS_PER_S: f64 = 100.0;
+pub const TICKS_PER_S: f64 = flashsale_engine::app::cpu::TICKS_PER_S as f64;
 
 /// One reading of a process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -43,16 +43,10 @@ pub fn cores_used(before: &ProcSample, after: &ProcSample, wall_s: f64) -> f64 {
     after.cpu_ticks.saturating_sub(before.cpu_ticks) as f64 / TICKS_PER_S / wall_s
 }
 
-/// `utime + stime` (fields 14 and 15) of a `/proc/PID/stat` line. The command name (field 2)
-/// is in parentheses and may contain spaces and parentheses, so fields are counted after
-/// the LAST `)`.
+/// `utime + stime` (fields 14 and 15) of a `/proc/PID/stat` line
+/// (`flashsale_engine::app::cpu::parse_stat`, which counts fields after the LAST `)`).
 pub fn parse_cpu_ticks(stat: &str) -> Option<u64> {
-    let after_comm = &stat[stat.rfind(')')? + 1..];
-    // After the command: field 3 (state) is index 0, so utime (14) is index 11.
-    let mut fields = after_comm.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
+    flashsale_engine::app::cpu::parse_stat(stat).map(|(_, times)| times.own)
 }
 
 /// The KiB value of a `Name:   1234 kB` line of `/proc/PID/status`.

@@ -35,6 +35,25 @@ impl Redis {
         Ok(Redis { stream, read: BytesMut::with_capacity(64 * 1024), write: BytesMut::new() })
     }
 
+    /// A connection to the node that serves `key`: `addr` itself (standalone, or the right
+    /// cluster node), or where its `MOVED` answer points (a few hops at most).
+    pub async fn connect_serving(addr: SocketAddr, key: &str) -> Result<Redis, String> {
+        let mut addr = addr;
+        for _ in 0..3 {
+            let mut redis = Redis::connect(addr).await?;
+            let reply = redis.command(&[b"EXISTS", key.as_bytes()]).await?;
+            let moved = reply.as_error().and_then(|e| {
+                let text = std::str::from_utf8(e).ok()?;
+                text.strip_prefix("MOVED ")?.split(' ').nth(1)?.parse::<SocketAddr>().ok()
+            });
+            match moved {
+                Some(next) => addr = next,
+                None => return Ok(redis),
+            }
+        }
+        Err(format!("Redis: too many redirects for {key}"))
+    }
+
     /// One command; a server error reply is returned as a value.
     pub async fn command(&mut self, args: &[&[u8]]) -> Result<Reply, String> {
         let mut replies = self.pipeline(std::slice::from_ref(&args.to_vec())).await?;

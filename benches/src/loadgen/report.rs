@@ -50,6 +50,19 @@ pub struct CurvePoint {
     pub ms: f64,
 }
 
+/// The run's moments: the schedule's zero on the wall clock, and the first SOLD_OUT and the
+/// last answer relative to it. `flashsale demo` splits its CPU table into the selling phase
+/// (zero .. first SOLD_OUT) and the sold-out phase (.. last answer) with these.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunTiming {
+    /// µs since the Unix epoch.
+    pub started_unix_us: u64,
+    /// µs after the start; `None` when nothing was answered SOLD_OUT.
+    pub first_sold_out_us: Option<u64>,
+    /// µs after the start.
+    pub last_answer_us: u64,
+}
+
 /// Everything a run produced.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Report {
@@ -96,6 +109,9 @@ pub struct Report {
     pub redis: Option<RedisView>,
     pub invariants: Invariants,
     pub throughput: Vec<SecondCounts>,
+    /// When the run started and sold out, for aligning other measurements with it.
+    #[serde(default)]
+    pub timing: RunTiming,
     /// Latency by percentile, overall (`ALL`) and per state with answers.
     pub percentile_curves: BTreeMap<String, Vec<CurvePoint>>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -156,6 +172,11 @@ impl Report {
             redis: v.redis,
             invariants: v.invariants,
             throughput: r.timeline.clone(),
+            timing: RunTiming {
+                started_unix_us: m.started_unix_us,
+                first_sold_out_us: r.first_sold_out_us,
+                last_answer_us: m.last_answer_us,
+            },
             percentile_curves,
             trace: m.trace,
             run,

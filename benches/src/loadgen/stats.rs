@@ -103,6 +103,9 @@ pub struct Recorder {
     pub retries_sent: u64,
     pub answered: u64,
     pub http_status: HashMap<u16, u64>,
+    /// When the first SOLD_OUT answer arrived, µs into the run: the end of the selling
+    /// phase (`flashsale demo` splits its CPU table there).
+    pub first_sold_out_us: Option<u64>,
 }
 
 impl Default for Recorder {
@@ -126,6 +129,7 @@ impl Recorder {
             retries_sent: 0,
             answered: 0,
             http_status: HashMap::new(),
+            first_sold_out_us: None,
         }
     }
 
@@ -172,6 +176,10 @@ impl Recorder {
             self.replayed[state.index()] += 1;
         }
         self.answered += 1;
+        if state == State::SoldOut {
+            let first = self.first_sold_out_us.get_or_insert(elapsed_us);
+            *first = (*first).min(elapsed_us);
+        }
         *self.http_status.entry(http_status).or_insert(0) += 1;
         self.second(elapsed_us).answered += 1;
     }
@@ -251,6 +259,7 @@ mod tests {
         }
         r.on_answer(2_500_000, 5_000, 202, State::Queued, true);
         assert_eq!((r.sent, r.answered), (1_000, 1_001));
+        assert_eq!(r.first_sold_out_us, Some(500));
         assert_eq!((r.count(State::SoldOut), r.count(State::Queued)), (1_000, 1));
         assert_eq!(r.replayed[State::Queued.index()], 1);
         assert_eq!(r.timeline.len(), 3);

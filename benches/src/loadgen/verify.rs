@@ -120,7 +120,9 @@ struct RedisRecord {
 /// Runs the checks. Failures to reach a store are reported in `invariants.error`.
 pub async fn verify(input: VerifyInput<'_>) -> Verification {
     let mut out = Verification::default();
-    let mut redis = match Redis::connect(input.redis).await {
+    // Any node of a cluster will do: the SKU's keys share one slot, and its node is found.
+    let tag = format!("seckill:{{{}:{}}}:stock", input.activity_id, input.sku_id);
+    let mut redis = match Redis::connect_serving(input.redis, &tag).await {
         Ok(r) => r,
         Err(e) => {
             out.invariants.error = Some(e);

@@ -176,6 +176,8 @@ pub struct Request<'b> {
     pub host: Option<&'b str>,
     pub authorization: Option<&'b str>,
     pub x_request_id: Option<&'b str>,
+    /// A valid W3C `traceparent` ([`is_valid_traceparent`]); an invalid one is `None`, as if
+    /// absent, so that it is never echoed nor stored in a message.
     pub traceparent: Option<&'b str>,
     pub content_type: Option<&'b str>,
     /// Whether the connection may carry another request after this one's answer. When
@@ -240,35 +242,10 @@ impl<'b> Body<'b> {
 /// request's bytes, and never more than [`Limits::request_bytes_max`] bytes are looked at
 /// however large `buf` is.
 pub fn parse_request<'b>(buf: &'b [u8], limits: &Limits) -> Parsed<'b> {
-    // No byte past the largest acceptable head can belong to the head: scanning no
-    // further bounds the cost of a call whatever the buffer holds, and changes no answer
-    // (a head not complete within the window breaks a limit within it).
-    let head_window = &buf[..buf.len().min(limits.header_section_bytes_max + 1)];
-    let head_len = match scan_head(head_window, limits) {
-        HeadScan::Complete { head_len } => head_len,
-        HeadScan::Reject(rejection) => return Parsed::Reject(rejection),
-        HeadScan::Incomplete => {
-            return match syntax_check_prefix(head_window) {
-                Some(rejection) => Parsed::Reject(rejection),
-                None => Parsed::Incomplete,
-            };
-        }
-    };
-    let head_bytes = &buf[..head_len];
-    // Uninitialised slots: httparse's safe `parse_with_uninit_headers` writes only what it
-    // parses, which saves zeroing 64 headers (1.5 KiB) on every request.
-    let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; HEADER_SLOTS];
-    let mut parsed = httparse::Request::new(&mut []);
-    match parsed.parse_with_uninit_headers(head_bytes, &mut slots) {
-        // The pre-scan and httparse must agree on where the head ends: two parsers
-        // disagreeing about framing is exactly how smuggling happens, so any doubt closes.
-        Ok(httparse::Status::Complete(len)) if len == head_len => {}
-        Ok(_) => return Parsed::Reject(Rejection::MalformedRequestLine),
-        Err(error) => return Parsed::Reject(map_httparse_error(error, head_bytes)),
-    }
-    let head = match interpret_head(&parsed, limits) {
-        Ok(head) => head,
-        Err(rejection) => return Parsed::Reject(rejection),
+    let (head, head_len) = match parse_head(buf, limits) {
+        HeadParse::Complete { head, head_len } => (head, head_len),
+        HeadParse::Incomplete => return Parsed::Incomplete,
+        HeadParse::Reject(rejection) => return Parsed::Reject(rejection),
     };
     let after_head = &buf[head_len..];
     let (body, body_wire_len) = match head.framing {
@@ -287,6 +264,71 @@ pub fn parse_request<'b>(buf: &'b [u8], limits: &Limits) -> Parsed<'b> {
     let consumed = head_len + body_wire_len;
     assert!(consumed <= buf.len(), "a request never extends past the bytes received");
     Parsed::Complete { request: head.into_request(body), consumed }
+}
+
+/// Where a request that [`parse_request`] called [`Parsed::Incomplete`] stands: the
+/// connection needs it for its deadlines (the head within the header deadline from its first
+/// byte, the body within the body deadline from the end of the head) and for `100 Continue`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// The head has not all arrived.
+    Head,
+    /// The head is complete and valid; (some of) the body is missing. `expect_continue`: an
+    /// HTTP/1.1 request with `Expect: 100-continue`, whose client waits for `100 Continue`
+    /// before it sends the body (RFC 9110 section 10.1.1).
+    Body { expect_continue: bool },
+}
+
+/// [`Progress`] of the incomplete request at the start of `buf`. Call it only after
+/// [`parse_request`] answered `Incomplete` on the same bytes (it parses the head again: a
+/// cost paid only by requests that arrive in pieces).
+pub fn progress(buf: &[u8], limits: &Limits) -> Progress {
+    match parse_head(buf, limits) {
+        HeadParse::Complete { head, .. } => {
+            Progress::Body { expect_continue: head.expect_continue }
+        }
+        HeadParse::Incomplete | HeadParse::Reject(_) => Progress::Head,
+    }
+}
+
+/// The head of the request at the start of `buf`, validated.
+enum HeadParse<'b> {
+    Incomplete,
+    Complete { head: Head<'b>, head_len: usize },
+    Reject(Rejection),
+}
+
+fn parse_head<'b>(buf: &'b [u8], limits: &Limits) -> HeadParse<'b> {
+    // No byte past the largest acceptable head can belong to the head: scanning no
+    // further bounds the cost of a call whatever the buffer holds, and changes no answer
+    // (a head not complete within the window breaks a limit within it).
+    let head_window = &buf[..buf.len().min(limits.header_section_bytes_max + 1)];
+    let head_len = match scan_head(head_window, limits) {
+        HeadScan::Complete { head_len } => head_len,
+        HeadScan::Reject(rejection) => return HeadParse::Reject(rejection),
+        HeadScan::Incomplete => {
+            return match syntax_check_prefix(head_window) {
+                Some(rejection) => HeadParse::Reject(rejection),
+                None => HeadParse::Incomplete,
+            };
+        }
+    };
+    let head_bytes = &buf[..head_len];
+    // Uninitialised slots: httparse's safe `parse_with_uninit_headers` writes only what it
+    // parses, which saves zeroing 64 headers (1.5 KiB) on every request.
+    let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; HEADER_SLOTS];
+    let mut parsed = httparse::Request::new(&mut []);
+    match parsed.parse_with_uninit_headers(head_bytes, &mut slots) {
+        // The pre-scan and httparse must agree on where the head ends: two parsers
+        // disagreeing about framing is exactly how smuggling happens, so any doubt closes.
+        Ok(httparse::Status::Complete(len)) if len == head_len => {}
+        Ok(_) => return HeadParse::Reject(Rejection::MalformedRequestLine),
+        Err(error) => return HeadParse::Reject(map_httparse_error(error, head_bytes)),
+    }
+    match interpret_head(&parsed, limits) {
+        Ok(head) => HeadParse::Complete { head, head_len },
+        Err(rejection) => HeadParse::Reject(rejection),
+    }
 }
 
 /// How far the strict pre-scan of the head got.
@@ -540,6 +582,9 @@ struct Head<'b> {
     content_type: Option<&'b str>,
     keep_alive: bool,
     framing: Framing,
+    /// `Expect: 100-continue` on an HTTP/1.1 request (RFC 9110 section 10.1.1: an HTTP/1.0
+    /// request's expectation is ignored).
+    expect_continue: bool,
 }
 
 impl<'b> Head<'b> {
@@ -573,6 +618,9 @@ struct Fields<'b> {
     transfer_encoding_chunked: bool,
     connection_close: bool,
     connection_keep_alive: bool,
+    /// A `traceparent` line was seen (valid or not): a second one is still a duplicate.
+    traceparent_seen: bool,
+    expect_continue: bool,
 }
 
 fn interpret_head<'b>(
@@ -619,6 +667,7 @@ fn interpret_head<'b>(
         content_type: fields.content_type,
         keep_alive,
         framing,
+        expect_continue: fields.expect_continue && version == Version::Http11,
     })
 }
 
@@ -661,8 +710,19 @@ fn collect_fields<'b>(headers: &[httparse::Header<'b>]) -> Result<Fields<'b>, Re
                     fields.connection_keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
                 }
             }
+            6 if name.eq_ignore_ascii_case("expect") => {
+                // Other expectations are ignored (RFC 9110 permits a 417, does not require it).
+                fields.expect_continue |= value.eq_ignore_ascii_case(b"100-continue");
+            }
             11 if name.eq_ignore_ascii_case("traceparent") => {
-                set_once(&mut fields.traceparent, value, Rejection::DuplicateHeader)?;
+                if fields.traceparent_seen {
+                    return Err(Rejection::DuplicateHeader);
+                }
+                fields.traceparent_seen = true;
+                let mut traceparent = None;
+                let value = set_once(&mut traceparent, value, Rejection::DuplicateHeader)?;
+                // An invalid one is treated as absent: never echoed, never put in a message.
+                fields.traceparent = Some(value).filter(|v| is_valid_traceparent(v));
             }
             12 if name.eq_ignore_ascii_case("x-request-id") => {
                 set_once(&mut fields.x_request_id, value, Rejection::DuplicateHeader)?;
@@ -691,6 +751,43 @@ fn collect_fields<'b>(headers: &[httparse::Header<'b>]) -> Result<Fields<'b>, Re
         }
     }
     Ok(fields)
+}
+
+/// Length of a version-00 `traceparent`: `00-` 32 hex `-` 16 hex `-` 2 hex.
+pub const TRACEPARENT_V00_BYTES: usize = 55;
+
+/// W3C Trace Context `traceparent` (section 3.2): `version-traceid-parentid-flags`, lowercase
+/// hex only; version `ff` is invalid; trace-id (32 hex) and parent-id (16 hex) not all
+/// zeros; version `00` exactly [`TRACEPARENT_V00_BYTES`] bytes. A later version is read by
+/// the same first 55 bytes and, if longer, continues with `-` (the spec's rule for versions
+/// this code does not know).
+pub fn is_valid_traceparent(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    let hex = |range: std::ops::Range<usize>| {
+        bytes
+            .get(range)
+            .is_some_and(|part| part.iter().all(|&b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+    };
+    let not_zeros = |range: std::ops::Range<usize>| bytes[range].iter().any(|&b| b != b'0');
+    let version_ok = match bytes.get(..2) {
+        Some(b"00") => bytes.len() == TRACEPARENT_V00_BYTES,
+        Some(b"ff") => false,
+        Some(_) => {
+            bytes.len() == TRACEPARENT_V00_BYTES
+                || (bytes.len() > TRACEPARENT_V00_BYTES && bytes[TRACEPARENT_V00_BYTES] == b'-')
+        }
+        None => false,
+    };
+    version_ok
+        && hex(0..2)
+        && bytes[2] == b'-'
+        && hex(3..35)
+        && bytes[35] == b'-'
+        && hex(36..52)
+        && bytes[52] == b'-'
+        && hex(53..55)
+        && not_zeros(3..35)
+        && not_zeros(36..52)
 }
 
 /// Stores a header the edge reads, refusing a second occurrence and non-ASCII bytes.
@@ -1468,5 +1565,82 @@ mod tests {
             parse_tiny(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\n"),
             Err(Some(Rejection::BodyTooLarge))
         );
+    }
+
+    const TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+    #[test]
+    fn traceparent_is_validated_per_w3c_and_an_invalid_one_is_dropped() {
+        assert!(is_valid_traceparent(TRACE));
+        assert!(is_valid_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"));
+        // A later version: same first 55 bytes, more after a dash.
+        assert!(is_valid_traceparent("01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"));
+        assert!(is_valid_traceparent(
+            "cc-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-what-comes-next"
+        ));
+        for bad in [
+            "",
+            "00-<script>-INJECT\"x\\y-zz",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-1",
+            "00-0af7651916cd43dd8448eb211c80319-cb7ad6b7169203331-01",
+            "00_0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "0g-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01x",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0g",
+        ] {
+            assert!(!is_valid_traceparent(bad), "{bad:?}");
+            let (request, _) = complete_owned(&get_with(&format!("traceparent: {bad}\r\n")));
+            assert_eq!(request, None, "{bad:?} must be dropped");
+        }
+        let (request, _) = complete_owned(&get_with(&format!("Traceparent: {TRACE}\r\n")));
+        assert_eq!(request.as_deref(), Some(TRACE));
+        // Dropping an invalid one does not let a second one in.
+        let twice = get_with(&format!("traceparent: junk\r\ntraceparent: {TRACE}\r\n"));
+        assert_eq!(rejected(&twice), Rejection::DuplicateHeader);
+    }
+
+    /// The traceparent a complete request parsed to, owned.
+    fn complete_owned(buf: &[u8]) -> (Option<String>, usize) {
+        let (request, consumed) = complete(buf);
+        (request.traceparent.map(str::to_owned), consumed)
+    }
+
+    #[test]
+    fn progress_tells_head_from_body_and_sees_expect_continue() {
+        let post = |headers: &str| {
+            format!("POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n{headers}\r\nhe")
+        };
+        let head_only = b"POST / HTTP/1.1\r\nHost: h\r\nContent-Len";
+        assert_eq!(parse(head_only), Parsed::Incomplete);
+        assert_eq!(progress(head_only, &LIMITS), Progress::Head);
+        assert_eq!(progress(b"", &LIMITS), Progress::Head);
+        let plain = post("");
+        assert_eq!(parse(plain.as_bytes()), Parsed::Incomplete);
+        assert_eq!(progress(plain.as_bytes(), &LIMITS), Progress::Body { expect_continue: false });
+        for value in ["100-continue", "100-Continue"] {
+            let expecting = post(&format!("Expect: {value}\r\n"));
+            assert_eq!(
+                progress(expecting.as_bytes(), &LIMITS),
+                Progress::Body { expect_continue: true }
+            );
+        }
+        let other = post("Expect: something-else\r\n");
+        assert_eq!(progress(other.as_bytes(), &LIMITS), Progress::Body { expect_continue: false });
+        // HTTP/1.0: the expectation is ignored (RFC 9110 section 10.1.1).
+        let http10 = b"POST / HTTP/1.0\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\nhe";
+        assert_eq!(progress(http10, &LIMITS), Progress::Body { expect_continue: false });
+        // An over-limit Content-Length is refused by parse_request at once, Expect or not.
+        let too_big =
+            b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n";
+        assert_eq!(rejected(too_big), Rejection::BodyTooLarge);
+        // Chunked bodies have progress too.
+        let chunked = b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nab";
+        assert_eq!(parse(chunked), Parsed::Incomplete);
+        assert_eq!(progress(chunked, &LIMITS), Progress::Body { expect_continue: false });
     }
 }

@@ -9,7 +9,8 @@ use super::parse::{parse_request, Limits, Parsed};
 const LIMITS: Limits = Limits::DEFAULT;
 
 /// Header names the parser interprets; generated extra headers avoid them.
-const SPECIAL_NAMES: [&str; 8] = [
+const SPECIAL_NAMES: [&str; 9] = [
+    "expect",
     "host",
     "content-length",
     "transfer-encoding",

@@ -2,6 +2,7 @@
 //! activity creation and inspection, `/metrics`, health, drain. Authenticated with
 //! `Authorization: Bearer $FLASHSALE_ADMIN_TOKEN` when a token is configured; without one,
 //! only loopback peers are served (and `serve` refuses a non-loopback admin address).
+//! `GET /livez` and `GET /readyz` are the exception: they answer anyone, token or not.
 //!
 //! Health (DESIGN.md section 7): `/livez` checks only that every shard's event loop ticks;
 //! `/readyz` only local state (started, not draining). Dependency health never decides
@@ -12,16 +13,18 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use flashsale_io::redis::script::{ActivityStatus, PreheatArgs, PreheatReply};
-use flashsale_pg_worker::edge::{ActivitySpec, Allocator, CreateActivity};
+use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
+use flashsale_io::redis::script::{PreheatArgs, PreheatReply};
+use flashsale_pg_worker::edge::{self, ActivitySpec, Allocator, CreateActivity};
 use serde::Deserialize;
 use serde_json::json;
 
 use super::conn::RequestCtx;
-use super::{now_ms, Shard};
+use super::Shard;
 use crate::durable::DurableRequest;
 use crate::http::{write_response, ContentType, Method, Request, ResponseHead, Status};
-use crate::router::SkuKey;
+use crate::logic::clock::now_ms;
+use crate::logic::router::SkuKey;
 
 /// A shard whose loop has not ticked for this long is not live.
 const HEARTBEAT_STALE_MS: u64 = 2_000;
@@ -42,7 +45,8 @@ pub async fn handle(
     head: &mut ResponseHead<'_>,
     out: &mut BytesMut,
 ) {
-    if !authorized(shard, request, ctx) {
+    // Balancers' health checks cannot send a token, and these two reveal nothing.
+    if !is_public_health(request) && !authorized(shard, request, ctx) {
         head.status = Status::Unauthorized;
         write_response(out, head, br#"{"state":"UNAUTHORIZED"}"#);
         return;
@@ -53,6 +57,12 @@ pub async fn handle(
         head.content_type = ContentType::PrometheusText;
     }
     write_response(out, head, text.as_bytes());
+}
+
+/// `GET /livez` and `GET /readyz` answer without a token (CONTRACT.md section 4); `/startupz`
+/// keeps it (no balancer needs it, and it is what an orchestrator with credentials polls).
+fn is_public_health(request: &Request<'_>) -> bool {
+    request.method == Method::Get && matches!(request.path, "/livez" | "/readyz")
 }
 
 fn authorized(shard: &Shard, request: &Request<'_>, ctx: &RequestCtx) -> bool {
@@ -116,6 +126,7 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
         (Method::Post, "/admin/v1/activities") => create_activity(shard, body).await,
         (Method::Post, "/admin/v1/mode") => post_mode(shard, body).await,
         (Method::Get, "/admin/v1/mode") => get_mode(shard),
+        (Method::Get, "/admin/v1/refunds") => refunds(shard).await,
         (Method::Get, path) if path.ends_with("/reconcile") => reconcile(shard, path).await,
         (Method::Get, path) if path.starts_with("/admin/v1/activities/") => {
             match parse_sku_path(path) {
@@ -158,23 +169,32 @@ async fn post_mode(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
 async fn accept_mode(
     shard: &Rc<Shard>,
     body: &[u8],
-) -> Result<crate::modes::SignedSnapshot, crate::control::ControlError> {
-    use crate::control::{kv_key, ControlError};
+) -> Result<crate::logic::modes::SignedSnapshot, crate::durable::control::ControlError> {
+    use crate::durable::control::{kv_key, ControlError};
     let modes = &shard.shared.modes;
     let text = std::str::from_utf8(body).unwrap_or("");
-    let signed = crate::modes::SignedSnapshot::from_json(text).map_err(ControlError::Mode)?;
+    let signed =
+        crate::logic::modes::SignedSnapshot::from_json(text).map_err(ControlError::Mode)?;
     modes.check(&signed, now_ms())?;
-    let key = kv_key(signed.snapshot.scope);
-    let value = signed.to_json();
-    shard
-        .shared
-        .durable
-        .call(|reply| DurableRequest::PutMode { key, value, reply })
-        .await
-        .map_err(|e| ControlError::Store(e.to_string()))?;
+    let (scope, version) = (signed.snapshot.scope, signed.snapshot.version);
+    let (key, value) = (kv_key(scope), signed.to_json());
+    let put =
+        shard.shared.durable.call(|reply| DurableRequest::PutMode { key, value, version, reply });
+    put.await.map_err(|e| match e {
+        crate::durable::DurableError::StaleMode { current } => {
+            ControlError::Mode(crate::logic::modes::ModeError::StaleVersion {
+                scope,
+                current,
+                offered: version,
+            })
+        }
+        e => ControlError::Store(e.to_string()),
+    })?;
     // The watcher may already have applied our own put: a stale version then means "done".
     match modes.apply(&signed, now_ms()) {
-        Ok(_) | Err(ControlError::Mode(crate::modes::ModeError::StaleVersion { .. })) => Ok(signed),
+        Ok(_) | Err(ControlError::Mode(crate::logic::modes::ModeError::StaleVersion { .. })) => {
+            Ok(signed)
+        }
         Err(e) => Err(e),
     }
 }
@@ -184,7 +204,7 @@ fn get_mode(shard: &Shard) -> (Status, String) {
     let modes = &shard.shared.modes;
     let effective = modes.global(now_ms());
     let snapshot = modes
-        .describe(crate::modes::Scope::Global)
+        .describe(crate::logic::modes::Scope::Global)
         .and_then(|s| serde_json::from_str::<serde_json::Value>(&s.to_json()).ok());
     let body = json!({
         "mode": effective.mode.name(),
@@ -202,12 +222,55 @@ fn render_mode(shard: &Shard, out: &mut String) {
     use std::fmt::Write as _;
     let effective = shard.shared.modes.global(now_ms());
     let value = if effective.closes_submissions() {
-        effective.mode.metric_value().max(crate::modes::Mode::SubmitClosed.metric_value())
+        effective.mode.metric_value().max(crate::logic::modes::Mode::SubmitClosed.metric_value())
     } else {
         effective.mode.metric_value()
     };
     let _ =
         writeln!(out, "# TYPE flashsale_mode gauge\nflashsale_mode{{scope=\"global\"}} {value}");
+    // The reconcile lease among instances (durable/lease.rs): 1 where the periodic job runs.
+    let lease = &shard.shared.reconcile_lease;
+    let held = u8::from(lease.held(now_ms()));
+    let acquired = lease.acquired.load(std::sync::atomic::Ordering::Relaxed);
+    let _ = writeln!(
+        out,
+        "# TYPE flashsale_reconcile_lease_held gauge\nflashsale_reconcile_lease_held {held}\n\
+         # TYPE flashsale_reconcile_lease_acquired_total counter\n\
+         flashsale_reconcile_lease_acquired_total {acquired}"
+    );
+}
+
+/// `GET /admin/v1/refunds`: payments recorded REFUND_NEEDED (money received for an order
+/// that no longer takes it), oldest first, at most `payments::REFUNDS_MAX`. Each also produced
+/// a `refund_requested` event on `seckill.event.refund_requested` when its order exists.
+async fn refunds(shard: &Rc<Shard>) -> (Status, String) {
+    use flashsale_pg_worker::payments::{list_refunds, REFUNDS_MAX};
+    let listed = shard
+        .shared
+        .durable
+        .pg(|client| async move { list_refunds(&client, REFUNDS_MAX).await })
+        .await;
+    match listed {
+        Ok(refunds) => {
+            let items: Vec<_> = refunds
+                .iter()
+                .map(|r| {
+                    json!({
+                        "order_id": r.order_id,
+                        "payment_id": r.payment_id,
+                        "amount_cents": r.amount_cents,
+                        "since_ms": r.since_ms,
+                        "order_status": r.order_status,
+                    })
+                })
+                .collect();
+            (Status::Ok, json!({"count": items.len(), "refunds": items}).to_string())
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "listing refunds failed");
+            error(Status::ServiceUnavailable, "PG_UNAVAILABLE")
+        }
+    }
 }
 
 fn health(ok: bool, what: &str) -> (Status, String) {
@@ -224,10 +287,10 @@ fn error(status: Status, reason: &str) -> (Status, String) {
 }
 
 /// `GET /admin/v1/activities/{a}/skus/{s}/reconcile`: the conservation report
-/// (`crate::reconcile`).
+/// (`crate::shard::reconcile`).
 async fn reconcile(shard: &Rc<Shard>, path: &str) -> (Status, String) {
     match path.strip_suffix("/reconcile").and_then(parse_sku_path) {
-        Some(key) => crate::reconcile::admin_reply(shard, key).await,
+        Some(key) => crate::shard::reconcile::admin_reply(shard, key).await,
         None => not_found(),
     }
 }
@@ -310,10 +373,10 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
     let durable = shard.shared.durable.clone();
     let wait = Duration::from_millis(ADMIN_PG_WAIT_MS);
     let spec_for_pg = spec.clone();
-    let created = glommio::timer::timeout(wait, async {
-        Ok(durable.call(|reply| DurableRequest::CreateActivity { spec: spec_for_pg, reply }).await)
-    })
-    .await;
+    let create = durable.pg(move |mut client| async move {
+        edge::create_activity(&mut client, &spec_for_pg).await
+    });
+    let created = glommio::timer::timeout(wait, async { Ok(create.await) }).await;
     let outcome = match created {
         Ok(Ok(outcome)) => outcome,
         Ok(Err(e)) => {
@@ -350,17 +413,14 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
             }
         }
         // Every shard's scanner finds the SKUs it owns here (survives engine restarts).
-        let member = format!("{}:{}", spec.activity_id, spec.sku_id);
-        let added = shard
-            .functions
-            .client()
-            .command(&[b"SADD", crate::scanner::ACTIVE_SKUS_KEY.as_bytes(), member.as_bytes()])
-            .await;
-        if added.is_err() {
+        let member = SkuMember { activity_id: key.activity_id, sku_id: key.sku_id };
+        if shard.functions.add_active_sku(member).await.is_err() {
             return error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
         }
         let activity_id = spec.activity_id;
-        let marked = durable.call(|reply| DurableRequest::MarkActive { activity_id, reply }).await;
+        let marked = durable
+            .pg(move |client| async move { edge::mark_activity_active(&client, activity_id).await })
+            .await;
         if marked.is_err() {
             return error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE");
         }
@@ -385,13 +445,11 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
 }
 
 async fn sku_status(shard: &Rc<Shard>, key: SkuKey) -> (Status, String) {
-    let durable = shard.shared.durable.clone();
-    let config = durable
-        .call(|reply| DurableRequest::SkuConfig {
-            activity_id: key.activity_id as i64,
-            sku_id: key.sku_id as i64,
-            reply,
-        })
+    let (activity_id, sku_id) = (key.activity_id as i64, key.sku_id as i64);
+    let config = shard
+        .shared
+        .durable
+        .pg(move |client| async move { edge::sku_config(&client, activity_id, sku_id).await })
         .await;
     let config = match config {
         Ok(Some(config)) => config,
@@ -399,13 +457,7 @@ async fn sku_status(shard: &Rc<Shard>, key: SkuKey) -> (Status, String) {
         Err(_) => return error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE"),
     };
     let keys = shard.sku_keys(key);
-    let client = shard.functions.client();
-    let stock = client.command(&[b"GET", keys.stock().as_bytes()]).await.ok();
-    let pending = client.command(&[b"ZCARD", keys.pending().as_bytes()]).await.ok();
-    let stuck = client.command(&[b"ZCARD", keys.stuck().as_bytes()]).await.ok();
-    let int = |r: Option<flashsale_io::resp::Reply>| {
-        r.and_then(|r| r.as_int().or_else(|| r.as_str().and_then(|s| s.parse().ok())))
-    };
+    let counters = shard.functions.counters(&keys).await.ok();
     (
         Status::Ok,
         json!({
@@ -420,9 +472,9 @@ async fn sku_status(shard: &Rc<Shard>, key: SkuKey) -> (Status, String) {
             "reservation_ttl_ms": config.reservation_ttl_ms,
             "pay_timeout_ms": config.pay_timeout_ms,
             "live": {
-                "redis_stock": int(stock),
-                "pending_reservations": int(pending),
-                "stuck_reservations": int(stuck),
+                "redis_stock": counters.and_then(|c| c.stock),
+                "pending_reservations": counters.map(|c| c.pending),
+                "stuck_reservations": counters.map(|c| c.stuck),
                 "orders_created": config.orders_created,
             }
         })

@@ -3,50 +3,88 @@
 //! sold-out flag (DESIGN.md section 3). Shards share nothing mutable; they talk through a
 //! bounded glommio channel mesh ([`MeshMsg`]).
 //!
-//! - [`conn`]: the HTTP/1.1 connection loop (limits, pipelining, timeouts) and routing.
-//! - [`submit`]: reservation and query flows.
-//! - [`admin`]: the admin plane (shard 0 only).
+//! Every task that runs on a shard lives in this folder:
+//! - [`conn`]: the HTTP/1.1 connection loop (limits, pipelining, timeouts) and routing;
+//! - [`submit`] and [`query`]: the reservation and query flows; [`orders`]: orders and
+//!   payments; [`admin`]: the admin plane (shard 0 only);
+//! - [`publish`]: THE path an order-create message takes to the log (submit and scanner);
+//! - [`scanner`]: the republish scanner; [`sync`]: the owner's side of `redis-sync`;
+//!   [`refresh`]: the activity snapshot and stale sold-out re-reads; [`reconcile`]: the
+//!   reconcile report's reads and its periodic job; [`failover`]: Redis failovers close
+//!   their SKUs until a reconcile passes.
 //!
-//! Not here: decisions that need no I/O (`partition`, `router`, `outcome`), the durable side
-//! (`durable`).
+//! Not here: decisions that need no I/O (`logic`), the tokio side (`durable`, reached only
+//! through [`DurableHandle`]).
 
 pub mod admin;
 pub mod conn;
+pub mod failover;
 pub mod orders;
+pub mod publish;
+pub mod query;
+pub mod reconcile;
+pub mod refresh;
+pub mod scanner;
 pub mod submit;
+pub mod sync;
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use flashsale_io::redis::script::{Functions, SkuKeys};
-use flashsale_io::redis::{RedisClient, RedisConfig};
+use flashsale_io::redis::RedisConfig;
 use glommio::channels::channel_mesh::{Receivers, Senders};
 use glommio::net::TcpListener;
 
-use crate::auth::PassKeys;
 use crate::durable::DurableHandle;
 use crate::http::Limits;
-use crate::ids::IdGenerator;
-use crate::limiter::{Limiter, Rate};
-use crate::metrics::{EdgeMetrics, ShardMetrics};
-use crate::partition::{PartitionLimits, ReplicaUpdate, SkuPartition, SkuReplica};
-use crate::router::{PartitionTable, SkuKey};
+use crate::logic::auth::PassKeys;
+use crate::logic::limiter::{Limiter, Rate};
+use crate::logic::metrics::{EdgeMetrics, ShardMetrics};
+use crate::logic::partition::{PartitionLimits, ReplicaUpdate, SkuReplica};
+use crate::logic::router::{PartitionTable, SkuKey};
+use crate::logic::submit::{OwnerLimits, OwnerState};
 
 /// Configuration of the edge, identical on every shard.
 #[derive(Debug, Clone)]
 pub struct EdgeConfig {
     pub http: Limits,
-    /// Connections one shard serves at once; beyond it new connections are closed at once.
+    /// Public connections one shard serves at once; beyond it new connections are closed at
+    /// once. The start-up check lowers it to fit the open-file limit (`app::startup`).
     pub connections_per_shard_max: usize,
-    /// A request's head must arrive within this (slowloris bound).
+    /// Public connections one client address (IPv6: its /64; behind a trusted balancer the
+    /// address its PROXY header carries) holds on one shard; beyond it new ones are closed.
+    pub connections_per_address_max: usize,
+    /// Admin-plane connections (shard 0) at once: few, so that descriptors stay for clients.
+    pub admin_connections_max: usize,
+    /// A request's head must be complete this long after its first byte, however slowly it
+    /// trickles in (slowloris bound); then 408 and close. Also bounds the arrival of a
+    /// trusted balancer's PROXY header after the accept.
     pub header_read_timeout_ms: u64,
+    /// A request's body must be complete this long after the end of its head; then 408.
+    pub body_read_timeout_ms: u64,
+    /// Each batch of answers must be taken by the peer within this; a peer that does not
+    /// read is closed.
+    pub write_timeout_ms: u64,
     /// A keep-alive connection with no request for this long is closed.
     pub idle_timeout_ms: u64,
+    /// Balancers whose PROXY protocol header is required and believed (CONTRACT.md section
+    /// 2, `FLASHSALE_PROXY_PROTOCOL_FROM`); empty: every PROXY header refused.
+    pub proxy_protocol_from: crate::http::proxy::TrustedSources,
+    /// `[http] health_path`: answered on the public port, 200 when ready, 503 while
+    /// draining or starting (for balancers that check over HTTP); `None`: no such route.
+    pub health_path: Option<String>,
+    /// Template of every Redis connection (its `addr` is the first seed).
     pub redis: RedisConfig,
+    /// `FLASHSALE_REDIS_URL`'s seeds: one standalone server, or any nodes of a cluster.
+    pub redis_seeds: Vec<std::net::SocketAddr>,
+    /// `FLASHSALE_REDIS_MIN_REPLICA_ACKS`: replicas that must hold a new reservation before it
+    /// is promised (one `WAIT` per pipeline flush).
+    pub min_replica_acks: flashsale_io::redis::router::MinReplicaAcks,
     /// `reserve`'s `pending_grace_ms`: how long a fresh reservation waits before the scanner
     /// may republish it.
     pub pending_grace_ms: u64,
@@ -64,8 +102,6 @@ pub struct EdgeConfig {
     /// Accepted-map entries (local replays) one shard keeps over all its SKUs (~570 bytes
     /// each); beyond it replays are answered by Redis.
     pub accepted_per_shard_max: usize,
-    /// Reservation TTL used when a SKU's `meta` cannot be read.
-    pub reservation_ttl_ms_default: u64,
     pub overloaded_retry_ms: u64,
     pub busy_retry_ms: u64,
     /// Per user (from the pass), per shard.
@@ -73,26 +109,32 @@ pub struct EdgeConfig {
     /// Per client address, per shard; loopback peers are exempt (health checks, a load
     /// generator on the same host).
     pub ip_rate: Rate,
+    /// Per user, per shard, for reads and order changes (queries, order reads, cancels):
+    /// apart from `user_rate` so that polling never eats a buyer's submit allowance.
+    pub read_user_rate: Rate,
     /// Buckets per limiter table (fixed memory; colliding keys share a bucket).
     pub limiter_slots: usize,
-    pub scanner: crate::scanner::ScannerConfig,
+    pub scanner: crate::shard::scanner::ScannerConfig,
     /// The reconcile report and its periodic job (shard 0).
-    pub reconcile: crate::reconcile::ReconcileConfig,
-    pub publish_circuit: crate::circuit::CircuitConfig,
-    pub redis_circuit: crate::circuit::CircuitConfig,
+    pub reconcile: crate::logic::reconcile::ReconcileConfig,
+    pub publish_circuit: crate::logic::circuit::CircuitConfig,
+    pub redis_circuit: crate::logic::circuit::CircuitConfig,
     /// `FLASHSALE_PAYMENT_KEY`: verifies payment callbacks; `None` refuses them (503).
-    pub payment_key: Option<orders::PaymentKey>,
+    pub payment_key: Option<crate::logic::key::HmacKey>,
     /// Retries of idempotent calls only (`mark_sent`, the query's Redis read and PostgreSQL
     /// fallback): bounded attempts within a time budget, full jitter.
-    pub idempotent_retry: crate::circuit::RetryPolicy,
+    pub idempotent_retry: crate::logic::circuit::RetryPolicy,
     /// `decide_submit`'s thresholds (defaults derived from the 3 s order SLO, admission.rs).
-    pub admission: crate::admission::Budgets,
+    pub admission: crate::logic::admission::Budgets,
     /// Submissions one shard works on at once (owner side); beyond it `OVERLOADED`.
     pub submit_in_flight_max: u32,
     /// How often the durable side polls the `order-writer` backlog and pings PostgreSQL.
     pub health_poll_ms: u64,
     /// The control key, where accepted mode snapshots persist, the mode rules.
-    pub control: crate::control::ControlConfig,
+    pub control: crate::durable::control::ControlConfig,
+    /// This process among the instances on one set of stores (generated request ids, the
+    /// shards' log lines, the reconcile lease).
+    pub instance_id: crate::logic::ids::InstanceId,
 }
 
 /// What all shards share read-only (plus a few flags and the metrics).
@@ -112,9 +154,11 @@ pub struct EdgeShared {
     /// Set by shard 0 once bound: the public and admin ports (port 0 resolves here).
     pub ports: std::sync::OnceLock<(u16, u16)>,
     /// The accepted degradation modes (shards read their own copy, `Shard::modes`).
-    pub modes: Arc<crate::control::ModeState>,
+    pub modes: Arc<crate::durable::control::ModeState>,
     /// The backlog and PostgreSQL contact, as polled by the durable side.
-    pub health: Arc<crate::control::Health>,
+    pub health: Arc<crate::durable::control::Health>,
+    /// Whether this instance holds the reconcile lease (kept by the durable side).
+    pub reconcile_lease: Arc<crate::durable::lease::Lease>,
     /// Renders the durable side's `metrics` crate recorder, if one is installed.
     pub render_extra: Option<Box<dyn Fn() -> String + Send + Sync>>,
 }
@@ -125,39 +169,27 @@ pub enum MeshMsg {
     Replica(ReplicaUpdate),
 }
 
-/// Wall-clock milliseconds (business timestamps; `now_ms` arguments everywhere below).
-pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
-/// The key used for SKUs without local state: one shared admission bucket per shard.
-const UNTRACKED: SkuKey = SkuKey { activity_id: 0, sku_id: 0 };
-
 pub struct Shard {
     pub id: usize,
     pub shared: Arc<EdgeShared>,
     pub functions: Functions,
     mesh: Senders<MeshMsg>,
-    partitions: RefCell<HashMap<SkuKey, SkuPartition>>,
+    /// What this shard decides submissions with as owner (partitions, accepted budget, the
+    /// Redis circuit, ids, in-flight): one borrow per decision, never held across an await.
+    pub owner: RefCell<OwnerState>,
     replicas: RefCell<HashMap<SkuKey, SkuReplica>>,
     keys: RefCell<HashMap<SkuKey, Rc<SkuKeys>>>,
-    /// Per SKU: `meta.reservation_ttl_ms`, read once.
-    pub ttl_cache: RefCell<HashMap<SkuKey, u64>>,
-    ids: RefCell<IdGenerator>,
     request_seq: Cell<u64>,
     pub user_limiter: RefCell<Limiter>,
     pub ip_limiter: RefCell<Limiter>,
+    pub read_limiter: RefCell<Limiter>,
+    /// One log line a second for bad payment-callback signatures (the rest are counted).
+    pub bad_signature_log: Cell<crate::logic::limiter::Throttle>,
     /// The log-publish circuit of this shard: open → new submissions get SUBMIT_CLOSED before
     /// anything is reserved (reservations already made stay safe: the scanner republishes).
-    pub publish_circuit: RefCell<crate::circuit::Circuit>,
-    /// The Redis circuit of this shard: open → SYSTEM_BUSY without a call (fail closed).
-    pub redis_circuit: RefCell<crate::circuit::Circuit>,
+    pub publish_circuit: RefCell<crate::logic::circuit::Circuit>,
     /// This shard's copy of the mode table.
-    pub modes: RefCell<crate::control::ShardModes>,
-    /// Submissions this shard works on as owner (admission's local in-flight).
-    pub submits_in_flight: Cell<u32>,
-    /// What is left of `accepted_per_shard_max`.
-    pub accepted_budget: RefCell<crate::partition::AcceptedBudget>,
+    pub modes: RefCell<crate::durable::control::ShardModes>,
 }
 
 impl Shard {
@@ -183,23 +215,10 @@ impl Shard {
     }
 
     /// A request id for responses whose request carried none (`x-request-id`).
-    pub fn next_request_id(&self) -> crate::ids::GeneratedRequestId {
+    pub fn next_request_id(&self) -> crate::logic::ids::GeneratedRequestId {
         let n = self.request_seq.get() + 1;
         self.request_seq.set(n);
-        crate::ids::GeneratedRequestId::new(self.id, n)
-    }
-
-    /// Runs `f` on this SKU's owner state (created on first use, or the shared untracked
-    /// bucket when the shard already tracks `skus_tracked_max` SKUs).
-    pub fn with_partition<T>(&self, key: SkuKey, f: impl FnOnce(&mut SkuPartition) -> T) -> T {
-        let mut partitions = self.partitions.borrow_mut();
-        let tracked =
-            partitions.contains_key(&key) || partitions.len() < self.config().skus_tracked_max;
-        let slot = if tracked { key } else { UNTRACKED };
-        let limits = self.config().partition;
-        let partition =
-            partitions.entry(slot).or_insert_with(|| SkuPartition::new(slot, limits, now_ms()));
-        f(partition)
+        crate::logic::ids::GeneratedRequestId::new(&self.shared.config.instance_id, self.id, n)
     }
 
     /// The replica's local answer for a SKU owned elsewhere (or here).
@@ -248,18 +267,81 @@ impl Shard {
         }
     }
 
-    pub fn next_ids(&self, now_ms: u64) -> (crate::ids::BusinessId, crate::ids::BusinessId) {
-        let mut ids = self.ids.borrow_mut();
-        (
-            ids.next(crate::ids::IdKind::Reservation, now_ms),
-            ids.next(crate::ids::IdKind::Message, now_ms),
-        )
+    /// The address limit (before any HMAC: it is what protects the CPU); loopback is exempt.
+    pub fn check_address(&self, peer_ip: Option<std::net::IpAddr>, now_ms: u64) -> Result<(), u64> {
+        match peer_ip.filter(|ip| !ip.is_loopback()) {
+            Some(ip) => {
+                self.ip_limiter.borrow_mut().check(crate::logic::limiter::ip_key(ip), now_ms)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The per-user limit of reads and order changes.
+    pub fn check_reader(&self, user_id: u64, now_ms: u64) -> Result<(), u64> {
+        self.read_limiter.borrow_mut().check(user_id, now_ms)
     }
 
     pub fn is_draining(&self) -> bool {
         self.shared.draining.load(Ordering::Relaxed)
     }
 }
+
+/// Longest a shard tries to reach Redis at start (a dependency, like the log and PostgreSQL,
+/// that must answer once before the engine serves).
+const REDIS_START_WAIT_MS: u64 = 5_000;
+
+/// The Redis router of this shard (standalone or cluster, decided by asking a seed) with the
+/// function library loaded on every master; `None` when no seed answered in time.
+async fn connect_redis(id: usize, shared: &EdgeShared) -> Option<Functions> {
+    use flashsale_io::redis::router::{Router, RouterConfig};
+    let config = &shared.config;
+    let router_config = RouterConfig {
+        min_replica_acks: config.min_replica_acks,
+        ..RouterConfig::new(config.redis_seeds.clone(), config.redis.clone())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_millis(REDIS_START_WAIT_MS);
+    let router = loop {
+        match Router::connect(router_config.clone()).await {
+            Ok(router) => break router,
+            Err(e) if std::time::Instant::now() < deadline => {
+                tracing::debug!(shard = id, error = %e, "redis not reachable yet");
+                glommio::timer::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => {
+                tracing::error!(shard = id, error = %e, seeds = ?config.redis_seeds, "redis not reachable at start");
+                return None;
+            }
+        }
+    };
+    if let (0, Some(warning)) = (id, router.fence_warning()) {
+        tracing::warn!("{warning}");
+    }
+    let functions = Functions::over(router);
+    // "Function not found" reloads the library on the node that says so; loading it here
+    // only saves the first calls that round trip.
+    if let Err(e) = functions.load_everywhere().await {
+        tracing::warn!(shard = id, error = %e, "redis: loading the function library failed");
+    }
+    Some(functions)
+}
+
+/// The owner state's bounds, from the edge configuration.
+fn owner_limits(config: &EdgeConfig) -> OwnerLimits {
+    OwnerLimits {
+        partition: config.partition,
+        skus_tracked_max: config.skus_tracked_max,
+        accepted_per_shard_max: config.accepted_per_shard_max,
+        in_flight_max: config.submit_in_flight_max,
+        budgets: config.admission,
+        redis_circuit: config.redis_circuit,
+        redis_nodes_max: REDIS_NODES_MAX,
+        busy_retry_ms: config.busy_retry_ms,
+    }
+}
+
+/// Redis nodes with a circuit of their own per shard (a cluster of up to 64 masters).
+const REDIS_NODES_MAX: usize = 64;
 
 #[cold]
 fn unreachable_forward() -> Result<(), Box<submit::ForwardedSubmit>> {
@@ -280,55 +362,63 @@ pub struct ShardStart {
     pub admin_addr: std::net::SocketAddr,
     pub id_seed: [u8; 32],
     /// Events from `redis-sync` for the SKUs this shard owns.
-    pub sync_rx: Option<tokio::sync::mpsc::Receiver<crate::sync::SyncRequest>>,
+    pub sync_rx: Option<tokio::sync::mpsc::Receiver<crate::durable::sync::SyncRequest>>,
+    /// SKUs this shard owns whose stock another instance returned (`durable/notice.rs`).
+    pub notice_rx: Option<tokio::sync::mpsc::Receiver<SkuKey>>,
 }
 
 /// The body of each shard's executor: connect, bind, serve until stopped.
 pub async fn run(start: ShardStart) {
-    let ShardStart { id, shared, mesh, http_addr, admin_addr, id_seed, sync_rx } = start;
+    let ShardStart { id, shared, mesh, http_addr, admin_addr, id_seed, sync_rx, notice_rx } = start;
     let Ok((senders, receivers)) = mesh.join().await else {
         tracing::error!(shard = id, "mesh join failed");
         return;
     };
-    let client = RedisClient::new(shared.config.redis.clone());
+    let Some(functions) = connect_redis(id, &shared).await else {
+        shared.stopping.store(true, Ordering::Relaxed);
+        return;
+    };
     let shard = Rc::new(Shard {
         id,
         shared: Arc::clone(&shared),
-        functions: Functions::new(client),
+        functions,
         mesh: senders,
-        partitions: RefCell::new(HashMap::new()),
+        owner: RefCell::new(OwnerState::new(owner_limits(&shared.config), id_seed)),
         replicas: RefCell::new(HashMap::new()),
         keys: RefCell::new(HashMap::new()),
-        ttl_cache: RefCell::new(HashMap::new()),
-        ids: RefCell::new(IdGenerator::new(id_seed)),
         request_seq: Cell::new(0),
         user_limiter: RefCell::new(Limiter::new(
             shared.config.user_rate,
             shared.config.limiter_slots,
         )),
         ip_limiter: RefCell::new(Limiter::new(shared.config.ip_rate, shared.config.limiter_slots)),
-        publish_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.publish_circuit)),
-        redis_circuit: RefCell::new(crate::circuit::Circuit::new(shared.config.redis_circuit)),
-        modes: RefCell::new(crate::control::ShardModes::new(&shared.modes)),
-        submits_in_flight: Cell::new(0),
-        accepted_budget: RefCell::new(crate::partition::AcceptedBudget::new(
-            shared.config.accepted_per_shard_max,
+        read_limiter: RefCell::new(Limiter::new(
+            shared.config.read_user_rate,
+            shared.config.limiter_slots,
         )),
+        bad_signature_log: Cell::new(crate::logic::limiter::Throttle::new(1_000)),
+        publish_circuit: RefCell::new(crate::logic::circuit::Circuit::new(
+            shared.config.publish_circuit,
+        )),
+        modes: RefCell::new(crate::durable::control::ShardModes::new(&shared.modes)),
     });
     spawn_mesh_receivers(&shard, receivers);
     if let Some(rx) = sync_rx {
-        crate::sync::spawn_receiver(&shard, rx);
+        sync::spawn_receiver(&shard, rx);
+    }
+    if let Some(rx) = notice_rx {
+        refresh::spawn_notices(&shard, rx);
     }
     spawn_heartbeat(&shard);
-    spawn_stock_recheck(&shard);
-    spawn_activity_refresh(&shard);
-    crate::scanner::spawn(&shard, shared.config.scanner);
-    crate::reconcile::spawn(&shard);
+    refresh::spawn(&shard);
+    failover::spawn(&shard);
+    scanner::spawn(&shard, shared.config.scanner);
+    reconcile::spawn(&shard);
 
     // Shard 0 binds first and publishes the ports (port 0 in tests resolves to one port that
     // every shard then shares through SO_REUSEPORT).
     let (http_port, admin_port) = if id == 0 {
-        let listener = match TcpListener::bind(http_addr) {
+        let public = match conn::bind_public(http_addr) {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(shard = id, error = %e, addr = %http_addr, "bind failed");
@@ -344,15 +434,12 @@ pub async fn run(start: ShardStart) {
                 return;
             }
         };
-        let ports = (
-            listener.local_addr().map_or(0, |a| a.port()),
-            admin.local_addr().map_or(0, |a| a.port()),
-        );
+        let ports = (public.local_addr.port(), admin.local_addr().map_or(0, |a| a.port()));
         let _ = shared.ports.set(ports);
         let admin_shard = Rc::clone(&shard);
         glommio::spawn_local(conn::accept_loop(admin_shard, admin, conn::Plane::Admin)).detach();
         shared.started[id].store(true, Ordering::Relaxed);
-        conn::accept_loop(Rc::clone(&shard), listener, conn::Plane::Public).await;
+        conn::serve_public(Rc::clone(&shard), public).await;
         finish_in_flight(&shard).await;
         return;
     } else {
@@ -368,10 +455,11 @@ pub async fn run(start: ShardStart) {
     };
     let _ = admin_port;
     let addr = std::net::SocketAddr::new(http_addr.ip(), http_port);
-    match TcpListener::bind(addr) {
-        Ok(listener) => {
+    match conn::bind_public(addr) {
+        Ok(public) => {
             shared.started[id].store(true, Ordering::Relaxed);
-            conn::accept_loop(Rc::clone(&shard), listener, conn::Plane::Public).await;
+            // Until stopping: a drain only shuts the listener (connections still answered).
+            conn::serve_public(Rc::clone(&shard), public).await;
             finish_in_flight(&shard).await;
         }
         Err(e) => {
@@ -385,7 +473,7 @@ pub async fn run(start: ShardStart) {
 /// full-jitter delay between attempts and starting none past `policy.budget_ms`. Only for
 /// operations whose repetition is harmless (reads, `mark_sent`).
 pub async fn retry_idempotent<T, E, F, Fut>(
-    policy: &crate::circuit::RetryPolicy,
+    policy: &crate::logic::circuit::RetryPolicy,
     mut op: F,
 ) -> Result<T, E>
 where
@@ -415,7 +503,8 @@ where
 /// and publish deadlines, well under this).
 const STOP_WAIT_MS: u64 = 5_000;
 
-/// Graceful stop: the listeners are closed; answer every request already being worked on —
+/// Graceful stop: the listeners are closed; answer every request already being worked on (a
+/// connection counts its requests until their answers are written) —
 /// on every shard, since this shard may own SKUs whose submits others still forward — before
 /// the executor (and every task on it) ends. Idle keep-alive connections are simply closed.
 async fn finish_in_flight(shard: &Shard) {
@@ -466,98 +555,9 @@ fn spawn_heartbeat(shard: &Rc<Shard>) {
     let shard = Rc::clone(shard);
     glommio::spawn_local(async move {
         while !shard.shared.stopping.load(Ordering::Relaxed) {
-            shard.shared.heartbeats[shard.id].store(now_ms(), Ordering::Relaxed);
+            shard.shared.heartbeats[shard.id]
+                .store(crate::logic::clock::now_ms(), Ordering::Relaxed);
             glommio::timer::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .detach();
-}
-
-/// How often the owner re-reads each tracked SKU's `meta` into its activity snapshot.
-const ACTIVITY_REFRESH_MS: u64 = 1_000;
-
-/// Keeps each owned SKU's activity snapshot (status, window, version) close to Redis' `meta`,
-/// so a SKU whose activity ended or was terminated is answered on the owner without a call.
-fn spawn_activity_refresh(shard: &Rc<Shard>) {
-    use crate::partition::{ActivitySnapshot, ActivityStatus};
-    let shard = Rc::clone(shard);
-    glommio::spawn_local(async move {
-        while !shard.shared.stopping.load(Ordering::Relaxed) {
-            glommio::timer::sleep(Duration::from_millis(ACTIVITY_REFRESH_MS)).await;
-            let keys: Vec<SkuKey> =
-                shard.partitions.borrow().keys().filter(|k| **k != UNTRACKED).copied().collect();
-            for key in keys {
-                let sku_keys = shard.sku_keys(key);
-                let reply = shard
-                    .functions
-                    .client()
-                    .command(&[
-                        b"HMGET",
-                        sku_keys.meta().as_bytes(),
-                        b"status",
-                        b"start_ms",
-                        b"end_ms",
-                        b"version",
-                    ])
-                    .await;
-                let Ok(reply) = reply else { continue };
-                let Some(fields) = reply.as_array() else { continue };
-                let text = |i: usize| fields.get(i).and_then(|f| f.as_str());
-                let num = |i: usize| text(i).and_then(|t| t.parse::<u64>().ok());
-                let status = match text(0) {
-                    Some("PENDING") => ActivityStatus::Pending,
-                    Some("ACTIVE") => ActivityStatus::Active,
-                    Some("ENDED") => ActivityStatus::Ended,
-                    Some("TERMINATED") => ActivityStatus::Terminated,
-                    _ => continue, // no meta (yet): Redis answers per request
-                };
-                let (Some(start_ms), Some(end_ms), Some(version)) = (num(1), num(2), num(3)) else {
-                    continue;
-                };
-                let snapshot = ActivitySnapshot { status, start_ms, end_ms, version };
-                shard.with_partition(key, |p| {
-                    if p.key() == key {
-                        p.set_activity(snapshot);
-                    }
-                });
-            }
-        }
-    })
-    .detach();
-}
-
-/// While a SKU is sold out, re-read its stock now and then: another instance may have
-/// returned stock (compensation) that this instance's flag does not know about.
-fn spawn_stock_recheck(shard: &Rc<Shard>) {
-    let shard = Rc::clone(shard);
-    glommio::spawn_local(async move {
-        while !shard.shared.stopping.load(Ordering::Relaxed) {
-            glommio::timer::sleep(Duration::from_millis(200)).await;
-            let now = now_ms();
-            let due: Vec<SkuKey> = shard
-                .partitions
-                .borrow()
-                .iter()
-                .filter(|(k, p)| **k != UNTRACKED && p.stock_check_due(now))
-                .map(|(k, _)| *k)
-                .collect();
-            for key in due {
-                let keys = shard.sku_keys(key);
-                let reply =
-                    shard.functions.client().command(&[b"GET", keys.stock().as_bytes()]).await;
-                let stock = match reply {
-                    Ok(reply) => reply
-                        .as_bytes()
-                        .and_then(|b| std::str::from_utf8(b).ok())
-                        .and_then(|s| s.parse::<i64>().ok())
-                        .unwrap_or(0),
-                    Err(_) => continue,
-                };
-                if let Some(update) = shard.with_partition(key, |p| p.on_stock_observed(stock, now))
-                {
-                    shard.broadcast(update);
-                }
-            }
         }
     })
     .detach();

@@ -8,9 +8,8 @@
 //!   `v1|{payment_id}|{order_id}|{status}|{amount_cents}`), compared in constant time. Without
 //!   a configured key every callback is refused (`503 PAYMENTS_DISABLED`).
 //!
-//! Plus [`apply_order_cancelled`], the owner shard's side of an `order_cancelled` event
-//! (called by `redis-sync`): `compensate` once per reservation, so a cancelled or closed
-//! order's unit returns to Redis stock exactly once.
+//! The `order_cancelled` event a release writes is applied by `shard/sync.rs` (`compensate`
+//! once per reservation, so a cancelled or closed order's unit returns exactly once).
 //!
 //! Every PostgreSQL call goes through `DurableHandle::pg` to `flashsale_pg_worker::payments`,
 //! which owns the SQL and the state machine. A call that failed or timed out after it was sent
@@ -22,21 +21,17 @@
 use std::rc::Rc;
 
 use bytes::BytesMut;
-use flashsale_io::redis::script::{CompensateArgs, CompensateReply, ScriptError};
-use flashsale_io::wire::ReservationEvent;
 use flashsale_pg_worker::payments::{self, CallbackOutcome, PaymentCallback, ReleaseOutcome};
-use hmac::{Hmac, Mac};
 use serde::Deserialize;
-use sha2::Sha256;
 
-use super::{now_ms, Shard};
+use super::conn::RequestCtx;
+use super::Shard;
 use crate::durable::DurableError;
 use crate::http::json::JsonObject;
 use crate::http::{write_response, Method, Request, ResponseHead, Status};
-use crate::ids::ActivityId;
-use crate::router::SkuKey;
-
-type HmacSha256 = Hmac<Sha256>;
+use crate::logic::clock::now_ms;
+use crate::logic::ids::ActivityId;
+use crate::logic::payment::Signed;
 
 /// Path prefix of the order routes.
 pub const ORDERS_PREFIX: &str = "/v1/orders/";
@@ -46,83 +41,8 @@ pub const CALLBACK_PATH: &str = "/v1/payments/callback";
 pub const ID_LEN_MAX: usize = 64;
 /// Longest callback status accepted (`[A-Z_]`).
 pub const STATUS_LEN_MAX: usize = 32;
-/// `reason_code` written into Redis' `req`/`resv` when an order's unit is returned.
-pub const ORDER_CANCELLED_REASON: &str = "ORDER_CANCELLED";
 /// How long a client should wait before retrying after a 503.
 const RETRY_AFTER_MS: u64 = 1_000;
-/// Key length bounds, in bytes.
-const PAYMENT_KEY_LEN_MIN: usize = 16;
-const PAYMENT_KEY_LEN_MAX: usize = 64;
-
-// ---------------------------------------------------------------------------------------------
-// The payment key
-// ---------------------------------------------------------------------------------------------
-
-/// `FLASHSALE_PAYMENT_KEY`, parsed once (the HMAC pads are computed here, cloned per use).
-#[derive(Clone)]
-pub struct PaymentKey {
-    prepared: HmacSha256,
-}
-
-impl std::fmt::Debug for PaymentKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never print key material.
-        f.write_str("PaymentKey(..)")
-    }
-}
-
-impl PaymentKey {
-    /// A hex key of 16..=64 bytes.
-    pub fn from_hex(hex_key: &str) -> Result<PaymentKey, &'static str> {
-        let bytes = hex::decode(hex_key.trim()).map_err(|_| "not hex")?;
-        if !(PAYMENT_KEY_LEN_MIN..=PAYMENT_KEY_LEN_MAX).contains(&bytes.len()) {
-            return Err("must be 16..=64 bytes");
-        }
-        let prepared = HmacSha256::new_from_slice(&bytes).map_err(|_| "rejected by HMAC")?;
-        Ok(PaymentKey { prepared })
-    }
-
-    fn mac(&self, payment_id: &str, order_id: &str, status: &str, amount_cents: u64) -> HmacSha256 {
-        let mut mac = self.prepared.clone();
-        for part in [b"v1|".as_slice(), payment_id.as_bytes(), b"|", order_id.as_bytes(), b"|"] {
-            mac.update(part);
-        }
-        mac.update(status.as_bytes());
-        mac.update(b"|");
-        mac.update(flashsale_io::resp::U64Text::new(amount_cents).as_bytes());
-        mac
-    }
-
-    /// The signature a provider sends (lowercase hex); for providers' SDKs and tests.
-    pub fn sign(
-        &self,
-        payment_id: &str,
-        order_id: &str,
-        status: &str,
-        amount_cents: u64,
-    ) -> String {
-        hex::encode(self.mac(payment_id, order_id, status, amount_cents).finalize().into_bytes())
-    }
-
-    /// Constant-time check of a hex signature (`Mac::verify_slice` compares with `subtle`).
-    pub fn verify(
-        &self,
-        payment_id: &str,
-        order_id: &str,
-        status: &str,
-        amount_cents: u64,
-        signature_hex: &str,
-    ) -> bool {
-        let mut tag = [0u8; 32];
-        if signature_hex.len() != 64
-            || !signature_hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-            || hex::decode_to_slice(signature_hex, &mut tag).is_err()
-        {
-            return false;
-        }
-        self.mac(payment_id, order_id, status, amount_cents).verify_slice(&tag).is_ok()
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Routing
@@ -132,6 +52,7 @@ impl PaymentKey {
 pub async fn handle_order(
     shard: &Rc<Shard>,
     request: &Request<'_>,
+    ctx: &RequestCtx,
     rest: &str,
     head: &mut ResponseHead<'_>,
     out: &mut BytesMut,
@@ -141,8 +62,8 @@ pub async fn handle_order(
         None => (rest, false),
     };
     let answer = match (request.method, cancel) {
-        (Method::Get, false) => get_order(shard, request, order_id).await,
-        (Method::Post, true) => cancel_order(shard, request, order_id).await,
+        (Method::Get, false) => get_order(shard, request, ctx, order_id).await,
+        (Method::Post, true) => cancel_order(shard, request, ctx, order_id).await,
         _ if valid_id(order_id) => {
             Answer::state(Status::MethodNotAllowed, "INVALID").reason("METHOD")
         }
@@ -155,10 +76,15 @@ pub async fn handle_order(
 pub async fn handle_callback(
     shard: &Rc<Shard>,
     body: &[u8],
+    ctx: &RequestCtx,
     head: &mut ResponseHead<'_>,
     out: &mut BytesMut,
 ) {
-    callback(shard, body).await.write(head, out);
+    let answer = match shard.check_address(ctx.peer_ip, now_ms()) {
+        Ok(()) => callback(shard, body).await,
+        Err(retry_ms) => Answer::rate_limited(retry_ms),
+    };
+    answer.write(head, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -207,6 +133,11 @@ impl Answer {
     fn retry(mut self) -> Answer {
         self.retry_after_ms = Some(RETRY_AFTER_MS);
         self
+    }
+
+    fn rate_limited(retry_after_ms: u64) -> Answer {
+        let limited = Answer::state(Status::TooManyRequests, "RATE_LIMITED");
+        Answer { retry_after_ms: Some(retry_after_ms), ..limited }
     }
 
     fn unauthorized() -> Answer {
@@ -261,8 +192,11 @@ impl Answer {
 fn authorized(
     shard: &Rc<Shard>,
     request: &Request<'_>,
+    ctx: &RequestCtx,
     order_id: &str,
 ) -> Result<(i64, i64), Answer> {
+    let now = now_ms();
+    shard.check_address(ctx.peer_ip, now).map_err(Answer::rate_limited)?;
     if !valid_id(order_id) {
         return Err(Answer::invalid("ORDER_ID_INVALID"));
     }
@@ -276,14 +210,20 @@ fn authorized(
     if !pass.authorizes(activity) {
         return Err(Answer::unauthorized());
     }
+    shard.check_reader(pass.user_id.0, now).map_err(Answer::rate_limited)?;
     // ids are 1..=i64::MAX (ids.rs), so these conversions never saturate.
     let activity_id = i64::try_from(activity.0).unwrap_or(i64::MAX);
     let user_id = i64::try_from(pass.user_id.0).unwrap_or(i64::MAX);
     Ok((activity_id, user_id))
 }
 
-async fn get_order(shard: &Rc<Shard>, request: &Request<'_>, order_id: &str) -> Answer {
-    let (activity_id, user_id) = match authorized(shard, request, order_id) {
+async fn get_order(
+    shard: &Rc<Shard>,
+    request: &Request<'_>,
+    ctx: &RequestCtx,
+    order_id: &str,
+) -> Answer {
+    let (activity_id, user_id) = match authorized(shard, request, ctx, order_id) {
         Ok(ids) => ids,
         Err(answer) => return answer,
     };
@@ -322,8 +262,13 @@ async fn get_order(shard: &Rc<Shard>, request: &Request<'_>, order_id: &str) -> 
     }
 }
 
-async fn cancel_order(shard: &Rc<Shard>, request: &Request<'_>, order_id: &str) -> Answer {
-    let (activity_id, user_id) = match authorized(shard, request, order_id) {
+async fn cancel_order(
+    shard: &Rc<Shard>,
+    request: &Request<'_>,
+    ctx: &RequestCtx,
+    order_id: &str,
+) -> Answer {
+    let (activity_id, user_id) = match authorized(shard, request, ctx, order_id) {
         Ok(ids) => ids,
         Err(answer) => return answer,
     };
@@ -434,14 +379,23 @@ async fn callback(shard: &Rc<Shard>, body: &[u8]) -> Answer {
         Ok(parsed) => parsed,
         Err(reason) => return Answer::invalid(reason),
     };
-    if !key.verify(
-        &parsed.payment_id,
-        &parsed.order_id,
-        &parsed.status,
-        parsed.amount_cents,
-        &parsed.signature,
-    ) {
-        tracing::warn!(payment_id = %parsed.payment_id, "payment callback with a bad signature");
+    let signed = Signed {
+        payment_id: &parsed.payment_id,
+        order_id: &parsed.order_id,
+        status: &parsed.status,
+        amount_cents: parsed.amount_cents,
+    };
+    if !signed.verify(key, &parsed.signature) {
+        shard.metrics().callback_bad_signature.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut throttle = shard.bad_signature_log.get();
+        if let Some(suppressed) = throttle.allow(now_ms()) {
+            tracing::warn!(
+                payment_id = %parsed.payment_id,
+                suppressed,
+                "payment callback with a bad signature (one line a second at most)"
+            );
+        }
+        shard.bad_signature_log.set(throttle);
         return Answer::unauthorized().reason("BAD_SIGNATURE");
     }
     let callback = PaymentCallback {
@@ -480,85 +434,9 @@ async fn callback(shard: &Rc<Shard>, body: &[u8]) -> Answer {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// redis-sync: an order's unit back to Redis
-// ---------------------------------------------------------------------------------------------
-
-/// The owner shard's side of an `order_cancelled` event: `compensate` with the event's flags
-/// (return the unit unless the activity retires released tokens; the user marker stays, since
-/// the buyer's cancelled order still counts as their one order), once per reservation (the
-/// `comp` marker), then clear the sold-out flag on every shard if stock came back.
-pub async fn apply_order_cancelled(
-    shard: &Rc<Shard>,
-    event: &ReservationEvent,
-) -> Result<(), ScriptError> {
-    let key = SkuKey::new(event.activity_id, event.sku_id);
-    let keys = shard.sku_keys(key);
-    let args = CompensateArgs {
-        reservation_id: &event.reservation_id,
-        request_id: &event.request_id,
-        user_id: event.user_id,
-        return_stock: event.return_stock,
-        release_user: event.release_user,
-        reason_code: ORDER_CANCELLED_REASON,
-        now_ms: now_ms(),
-    };
-    let reply = shard.functions.compensate(&keys, &args).await?;
-    if matches!(reply, CompensateReply::Applied { .. }) {
-        shard.metrics().compensations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-    if event.return_stock
-        && matches!(reply, CompensateReply::Applied { stock_after } if stock_after > 0)
-    {
-        let update =
-            shard
-                .with_partition(key, |p| if p.key() == key { p.on_stock_returned() } else { None });
-        if let Some(update) = update {
-            shard.broadcast(update);
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const KEY: &str = "00112233445566778899aabbccddeeff";
-
-    #[test]
-    fn signatures_verify_and_anything_else_does_not() {
-        let key = PaymentKey::from_hex(KEY).expect("test");
-        let sig = key.sign("pay_1", "ord_1", "PAID", 1999);
-        assert_eq!(sig.len(), 64);
-        assert!(key.verify("pay_1", "ord_1", "PAID", 1999, &sig));
-        assert!(!key.verify("pay_1", "ord_1", "PAID", 1998, &sig));
-        assert!(!key.verify("pay_1", "ord_2", "PAID", 1999, &sig));
-        assert!(!key.verify("pay_1", "ord_1", "FAILED", 1999, &sig));
-        assert!(!key.verify("pay_1", "ord_1", "PAID", 1999, &sig.to_uppercase()));
-        assert!(!key.verify("pay_1", "ord_1", "PAID", 1999, &sig[..63]));
-        let other = PaymentKey::from_hex("ff112233445566778899aabbccddeeff").expect("test");
-        assert!(!other.verify("pay_1", "ord_1", "PAID", 1999, &sig));
-    }
-
-    #[test]
-    fn the_signature_is_hmac_sha256_over_the_documented_text() {
-        let key = PaymentKey::from_hex(KEY).expect("test");
-        let mut mac = HmacSha256::new_from_slice(&hex::decode(KEY).expect("test")).expect("test");
-        mac.update(b"v1|pay_1|ord_1|PAID|1999");
-        assert_eq!(
-            key.sign("pay_1", "ord_1", "PAID", 1999),
-            hex::encode(mac.finalize().into_bytes())
-        );
-    }
-
-    #[test]
-    fn bad_keys_are_refused_and_never_printed() {
-        assert!(PaymentKey::from_hex("zz").is_err());
-        assert!(PaymentKey::from_hex("0011").is_err());
-        let key = PaymentKey::from_hex(KEY).expect("test");
-        assert_eq!(format!("{key:?}"), "PaymentKey(..)");
-    }
 
     #[test]
     fn callback_bodies_are_validated_field_by_field() {

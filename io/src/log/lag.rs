@@ -10,8 +10,14 @@
 //! age in one call. A stream with limits retention would need the consumer's ack floor
 //! instead.
 //!
-//! What it is not: the poll loop or the metrics export; the worker runs the loop and sets the
-//! gauges (`pg-worker/src/worker.rs`).
+//! Also here: [`placement`] (one stream's configured replicas and the peers current per its
+//! info's cluster section) and [`record_placement`], which sets the gauges
+//! `flashsale_log_stream_replicas{stream}` and `flashsale_log_stream_replicas_current{stream}`
+//! in the `metrics` registry that `/metrics` renders. The edge's health poller
+//! (`engine/src/durable/control.rs`) refreshes them beside the backlog sample.
+//!
+//! What it is not: the poll loops; the worker runs the lag loop and sets its gauges
+//! (`pg-worker/src/worker.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -92,6 +98,58 @@ pub(super) async fn poll(
     Ok(LagSample { pending, oldest_pending_age_ms })
 }
 
+/// Where one stream's copies stand.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamPlacement {
+    pub stream: &'static str,
+    /// `LogConfig::replicas`: what the stream should have.
+    pub replicas_configured: usize,
+    /// Peers that are current: the leader plus each replica the cluster section marks current
+    /// and not offline. 1 on a server without clustering; 0 when the stream did not answer.
+    pub replicas_current: usize,
+    /// The stream leader's server name, when known.
+    pub leader: Option<String>,
+}
+
+/// Samples `stream`'s placement once; a failed info request reads as no current peer.
+pub(super) async fn placement(
+    context: &jetstream::Context,
+    stream: &'static str,
+    replicas_configured: usize,
+) -> StreamPlacement {
+    let info = match context.get_stream(stream).await {
+        Ok(handle) => Some(handle.cached_info().clone()),
+        Err(e) => {
+            tracing::debug!(stream, error = %e, "stream placement poll failed");
+            None
+        }
+    };
+    let (replicas_current, leader) = match info.as_ref().map(|i| i.cluster.as_ref()) {
+        None => (0, None),
+        Some(cluster) => current_peers(cluster),
+    };
+    StreamPlacement { stream, replicas_configured, replicas_current, leader }
+}
+
+/// Current peers from a stream info's cluster section (absent: a server without clustering,
+/// which is the one copy).
+fn current_peers(cluster: Option<&jetstream::stream::ClusterInfo>) -> (usize, Option<String>) {
+    let Some(cluster) = cluster else { return (1, None) };
+    let leader = cluster.leader.clone().filter(|l| !l.is_empty());
+    let followers = cluster.replicas.iter().filter(|p| p.current && !p.offline).count();
+    (usize::from(leader.is_some()) + followers, leader)
+}
+
+/// Sets the two placement gauges of every sampled stream.
+pub fn record_placement(placements: &[StreamPlacement]) {
+    for p in placements {
+        metrics::gauge!("flashsale_log_stream_replicas", "stream" => p.stream)
+            .set(p.replicas_configured as f64);
+        metrics::gauge!("flashsale_log_stream_replicas_current", "stream" => p.stream)
+            .set(p.replicas_current as f64);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,5 +163,32 @@ mod tests {
         assert_eq!(reader.pending(), 7);
         assert_eq!(reader.oldest_pending_age_ms(), 1_500);
         assert_eq!(reader.polled_at_ms(), 1_000);
+    }
+
+    #[test]
+    fn current_peers_count_the_leader_and_current_followers() {
+        let peer = |name: &str, current, offline| jetstream::stream::PeerInfo {
+            name: name.into(),
+            current,
+            active: std::time::Duration::ZERO,
+            offline,
+            lag: None,
+        };
+        let cluster = |leader: Option<&str>, replicas| jetstream::stream::ClusterInfo {
+            name: Some("c".into()),
+            raft_group: None,
+            leader: leader.map(str::to_owned),
+            leader_since: None,
+            replicas,
+        };
+        assert_eq!(current_peers(None), (1, None), "no clustering: the server is the copy");
+        let healthy = cluster(Some("n1"), vec![peer("n2", true, false), peer("n3", true, false)]);
+        assert_eq!(current_peers(Some(&healthy)), (3, Some("n1".into())));
+        let degraded = cluster(Some("n2"), vec![peer("n1", false, true), peer("n3", true, false)]);
+        assert_eq!(current_peers(Some(&degraded)).0, 2);
+        let lagging = cluster(Some("n2"), vec![peer("n1", false, false), peer("n3", true, false)]);
+        assert_eq!(current_peers(Some(&lagging)).0, 2);
+        let leaderless = cluster(None, vec![peer("n1", true, false)]);
+        assert_eq!(current_peers(Some(&leaderless)), (1, None));
     }
 }

@@ -99,7 +99,15 @@ impl Publisher {
         let mut pause = self.no_stream_retry;
         loop {
             let mut headers = HeaderMap::new();
-            headers.insert(NATS_MESSAGE_ID, msg_id);
+            // Negative control (tests/tests/negative_controls.rs): no `Nats-Msg-Id`, so the
+            // stream's duplicate window cannot recognise a republish.
+            #[cfg(feature = "failpoints")]
+            let omit_msg_id = crate::negctl::switched_off("negctl.nats_msg_id_off");
+            #[cfg(not(feature = "failpoints"))]
+            let omit_msg_id = false;
+            if !omit_msg_id {
+                headers.insert(NATS_MESSAGE_ID, msg_id);
+            }
             if let Some(traceparent) = traceparent {
                 headers.insert(TRACEPARENT_HEADER, traceparent);
             }

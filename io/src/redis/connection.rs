@@ -32,8 +32,14 @@
 //! is treated as dead (e.g. a peer that stopped without closing TCP), dropped and re-made;
 //! otherwise a late reply is simply matched and discarded.
 //!
+//! Replica fencing ([`FenceConfig`]): a fencing connection appends one `WAIT` to every batch
+//! and releases the batch's replies only with its answer ([`RedisClient::request_fenced`]
+//! returns the reply and its [`FenceOutcome`]). A reply whose `WAIT` never answered is
+//! `OutcomeUnknown`, like any written command without a reply.
+//!
 //! Not here: `FCALL` reply meaning and "function not found" reloads (`super::script`), the
-//! circuit breaker and Cluster routing (the engine), encoding details (`crate::resp`).
+//! circuit breaker (the engine), Cluster routing (`super::cluster`; this file only offers the
+//! `ASKING` pair, [`RedisClient::request_asking`]), encoding details (`crate::resp`).
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -76,6 +82,70 @@ pub struct RedisConfig {
     /// Bytes asked of the socket per read, and the starting size of both buffers. One
     /// reply is bounded separately by `resp::DecodeLimits::DEFAULT.frame_bytes_max`.
     pub read_buffer_bytes: usize,
+    /// Replica fencing of this connection (see [`FenceConfig`]); off by default.
+    pub fence: FenceConfig,
+}
+
+/// Replica fencing (DESIGN.md section 11): a connection with `min_replica_acks > 0` appends
+/// ONE `WAIT min_replica_acks wait_timeout_ms` after every batch it writes, and hands each
+/// command's reply to its caller only together with that WAIT's answer
+/// ([`FenceOutcome`]). So a reply is known to be held by that many replicas — or known not
+/// to be — before anyone acts on it.
+///
+/// Why a connection and not a flag per command: Redis blocks a client inside `WAIT`, so every
+/// command written behind it on the same connection waits too. Fenced commands get a
+/// connection of their own (the cluster client's fenced lane); everything else keeps its
+/// unfenced connection and is never delayed by a `WAIT`.
+///
+/// `WAIT` covers every write the master made before this connection's last command, whoever
+/// made it (measured on Redis 7.0: a read-only command moves the connection's offset up to
+/// the master's), so a replayed reply (`IDEMPOTENT`) is fenced as well as a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FenceConfig {
+    /// Replicas that must acknowledge; 0 = no fencing, no `WAIT`.
+    pub min_replica_acks: u32,
+    /// The `WAIT` timeout. Must stay below `command_timeout`, or a healthy fence would be
+    /// reported as a timeout; a short `WAIT` answers [`FenceOutcome::Short`].
+    pub wait_timeout: Duration,
+}
+
+impl FenceConfig {
+    pub const OFF: FenceConfig =
+        FenceConfig { min_replica_acks: 0, wait_timeout: Duration::from_millis(50) };
+
+    pub fn replicas(min_replica_acks: u32, wait_timeout: Duration) -> FenceConfig {
+        FenceConfig { min_replica_acks, wait_timeout }
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.min_replica_acks > 0
+    }
+}
+
+/// What the `WAIT` after a command's batch said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceOutcome {
+    /// The connection does not fence.
+    NotFenced,
+    /// At least `min_replica_acks` replicas hold everything up to this command.
+    Met { acks: u32 },
+    /// Fewer did within the timeout (or `WAIT` answered an error, counted as 0): the reply
+    /// is real but may be lost on failover. Never a promise.
+    Short { acks: u32, wanted: u32 },
+}
+
+impl FenceOutcome {
+    /// True unless the fence was asked for and not met.
+    pub fn holds(&self) -> bool {
+        !matches!(self, FenceOutcome::Short { .. })
+    }
+}
+
+/// A reply together with its fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fenced {
+    pub reply: Reply,
+    pub fence: FenceOutcome,
 }
 
 impl RedisConfig {
@@ -90,6 +160,7 @@ impl RedisConfig {
             reconnect_backoff_base: Duration::from_millis(50),
             reconnect_backoff_max: Duration::from_millis(2_000),
             read_buffer_bytes: 16 * 1024,
+            fence: FenceConfig::OFF,
         }
     }
 
@@ -109,6 +180,12 @@ impl RedisConfig {
         if self.read_buffer_bytes < 512 {
             return Err("redis read_buffer_bytes must be at least 512");
         }
+        if self.fence.is_on()
+            && (self.fence.wait_timeout.is_zero()
+                || self.fence.wait_timeout >= self.command_timeout)
+        {
+            return Err("redis fence wait_timeout must be above zero and below command_timeout");
+        }
         Ok(())
     }
 }
@@ -126,6 +203,15 @@ pub enum NotSentReason {
     ConnectionLost,
     /// The encode closure wrote nothing (a caller bug; nothing was queued).
     EmptyCommand,
+    /// Redis Cluster: no master is known for the command's slot (map not loaded, slot
+    /// unassigned, or its node could not be reached).
+    NoNodeForSlot,
+    /// Redis Cluster: `MOVED`/`ASK` redirects exceeded their bound; every redirected attempt
+    /// was refused before running.
+    RedirectsExhausted,
+    /// Redis Cluster: `TRYAGAIN` (a slot being migrated) kept coming back within the bound;
+    /// the command never ran.
+    TryAgainExhausted,
 }
 
 /// Why a written command has no reply. In every case the command may have run.
@@ -145,6 +231,9 @@ impl fmt::Display for NotSentReason {
             NotSentReason::TimedOut => "deadline passed while queued",
             NotSentReason::ConnectionLost => "connection lost before the write",
             NotSentReason::EmptyCommand => "empty command",
+            NotSentReason::NoNodeForSlot => "no node known for the slot",
+            NotSentReason::RedirectsExhausted => "too many cluster redirects",
+            NotSentReason::TryAgainExhausted => "slot kept migrating (TRYAGAIN)",
         })
     }
 }
@@ -207,11 +296,16 @@ enum SlotState {
 
 struct Slot {
     state: RefCell<SlotState>,
+    /// Set by the pipeline before `complete` on a fencing connection.
+    fence: Cell<FenceOutcome>,
 }
 
 impl Slot {
     fn new() -> Slot {
-        Slot { state: RefCell::new(SlotState::Waiting(None)) }
+        Slot {
+            state: RefCell::new(SlotState::Waiting(None)),
+            fence: Cell::new(FenceOutcome::NotFenced),
+        }
     }
 
     fn is_waiting(&self) -> bool {
@@ -287,7 +381,15 @@ struct Queued {
 }
 
 struct Written {
+    /// `None`: the `WAIT` a fencing connection appended to the batch.
+    slot: Option<Rc<Slot>>,
+    deadline: Instant,
+}
+
+/// A reply that arrived on a fencing connection and waits for its batch's `WAIT`.
+struct Held {
     slot: Rc<Slot>,
+    reply: Reply,
     deadline: Instant,
 }
 
@@ -338,10 +440,29 @@ struct Pipeline {
     written_swept: usize,
     /// Same for `queued` (answered `NotSent`, skipped by the writer).
     queued_swept: usize,
+    /// Fencing only: replies that arrived and wait for their batch's `WAIT`, oldest first.
+    held: VecDeque<Held>,
+    /// Same as `written_swept`, for `held` (answered `OutcomeUnknown`).
+    held_swept: usize,
+    fence: FenceConfig,
+    /// `WAIT n timeout_ms`, encoded once.
+    wait_command: BytesMut,
     /// The connection task: writer, sweeper and close signal all park on it.
     driver_waker: Option<Waker>,
     /// [`RedisClient::connect`] callers waiting for the phase to change.
     phase_wakers: Vec<Waker>,
+}
+
+/// `WAIT <min_replica_acks> <wait_timeout_ms>`, or nothing when fencing is off.
+fn wait_command(fence: &FenceConfig) -> BytesMut {
+    let mut buf = BytesMut::new();
+    if fence.is_on() {
+        let acks = resp::U64Text::new(u64::from(fence.min_replica_acks));
+        let timeout_ms = u64::try_from(fence.wait_timeout.as_millis()).unwrap_or(u64::MAX);
+        let timeout_ms = resp::U64Text::new(timeout_ms.max(1));
+        resp::encode_command(&mut buf, &[b"WAIT", acks.as_bytes(), timeout_ms.as_bytes()]);
+    }
+    buf
 }
 
 impl Pipeline {
@@ -355,13 +476,23 @@ impl Pipeline {
             written: VecDeque::with_capacity(config.in_flight_max),
             written_swept: 0,
             queued_swept: 0,
+            held: VecDeque::with_capacity(if config.fence.is_on() {
+                config.in_flight_max
+            } else {
+                0
+            }),
+            held_swept: 0,
+            fence: config.fence,
+            wait_command: wait_command(&config.fence),
             driver_waker: None,
             phase_wakers: Vec::new(),
         }
     }
 
+    /// Commands not yet answered: queued, written, or held for a `WAIT` (a fencing batch's
+    /// `WAIT` counts too, so the bound also covers it).
     fn in_flight(&self) -> usize {
-        self.queued.len() + self.written.len()
+        self.queued.len() + self.written.len() + self.held.len()
     }
 
     /// Queues one command. The waker to wake (the connection task) is returned so that it
@@ -417,22 +548,55 @@ impl Pipeline {
             self.queue_buf.clear();
         }
         let mut taken = 0;
+        let mut last_deadline = None;
         for q in self.queued.drain(..) {
             if q.slot.is_waiting() {
-                self.written.push_back(Written { slot: q.slot, deadline: q.deadline });
+                last_deadline = Some(q.deadline);
+                self.written.push_back(Written { slot: Some(q.slot), deadline: q.deadline });
                 taken += 1;
             }
         }
         self.queued_swept = 0;
+        // ONE `WAIT` per fenced batch, after every command of it: its answer covers them all.
+        // Its deadline is the batch's last, so `written` stays ordered by deadline.
+        if let (true, Some(deadline)) = (self.fence.is_on(), last_deadline) {
+            out.extend_from_slice(&self.wait_command);
+            self.written.push_back(Written { slot: None, deadline });
+        }
         taken
     }
 
-    /// Completes the oldest written command. `false` if none was waiting for a reply.
+    /// Completes the oldest written command (on a fencing connection: holds its reply until
+    /// the batch's `WAIT` answers, then releases the batch). `false` if nothing was waiting
+    /// for a reply.
     fn deliver(&mut self, reply: Reply) -> bool {
         let Some(oldest) = self.written.pop_front() else { return false };
         self.written_swept = self.written_swept.saturating_sub(1);
-        oldest.slot.complete(Ok(reply));
+        match oldest.slot {
+            Some(slot) if self.fence.is_on() => {
+                self.held.push_back(Held { slot, reply, deadline: oldest.deadline });
+            }
+            Some(slot) => slot.complete(Ok(reply)),
+            None => self.release_held(&reply),
+        }
         true
+    }
+
+    /// The `WAIT` answered: every held reply (all of its batch) goes out with the fence.
+    fn release_held(&mut self, wait_reply: &Reply) {
+        let wanted = self.fence.min_replica_acks;
+        // An error reply (e.g. WAIT on a replica) or a negative count means "not confirmed".
+        let acks = wait_reply.as_int().and_then(|n| u32::try_from(n).ok()).unwrap_or(0);
+        let fence = if acks >= wanted {
+            FenceOutcome::Met { acks }
+        } else {
+            FenceOutcome::Short { acks, wanted }
+        };
+        for held in self.held.drain(..) {
+            held.slot.fence.set(fence);
+            held.slot.complete(Ok(held.reply));
+        }
+        self.held_swept = 0;
     }
 
     /// Answers every command whose deadline has passed and says when to look again.
@@ -441,8 +605,19 @@ impl Pipeline {
             if w.deadline > now {
                 break;
             }
-            w.slot.complete(Err(RedisError::OutcomeUnknown(UnknownReason::TimedOut)));
+            if let Some(slot) = &w.slot {
+                slot.complete(Err(RedisError::OutcomeUnknown(UnknownReason::TimedOut)));
+            }
             self.written_swept += 1;
+        }
+        // A held reply whose WAIT did not answer in time: the command ran, its fence is
+        // unknown, so the caller may not rely on it.
+        while let Some(h) = self.held.get(self.held_swept) {
+            if h.deadline > now {
+                break;
+            }
+            h.slot.complete(Err(RedisError::OutcomeUnknown(UnknownReason::TimedOut)));
+            self.held_swept += 1;
         }
         while let Some(q) = self.queued.get(self.queued_swept) {
             if q.deadline > now {
@@ -460,6 +635,7 @@ impl Pipeline {
             stall_at,
             self.written.get(self.written_swept).map(|w| w.deadline),
             self.queued.get(self.queued_swept).map(|q| q.deadline),
+            self.held.get(self.held_swept).map(|h| h.deadline),
         ]
         .into_iter()
         .flatten()
@@ -480,13 +656,19 @@ impl Pipeline {
             ConnEnd::Protocol(e) => Some(e.clone()),
             _ => None,
         };
+        let unknown = if closed { UnknownReason::Closed } else { UnknownReason::ConnectionLost };
+        // Held replies came before anything still written: they ran, their fence is unknown.
+        for h in self.held.drain(..) {
+            h.slot.complete(Err(RedisError::OutcomeUnknown(unknown)));
+        }
         for w in self.written.drain(..) {
             let error = match head_error.take() {
                 Some(e) => RedisError::Protocol(e),
-                None if closed => RedisError::OutcomeUnknown(UnknownReason::Closed),
-                None => RedisError::OutcomeUnknown(UnknownReason::ConnectionLost),
+                None => RedisError::OutcomeUnknown(unknown),
             };
-            w.slot.complete(Err(error));
+            if let Some(slot) = w.slot {
+                slot.complete(Err(error));
+            }
         }
         for q in self.queued.drain(..) {
             q.slot.complete(Err(if closed {
@@ -498,6 +680,7 @@ impl Pipeline {
         self.queue_buf.clear();
         self.written_swept = 0;
         self.queued_swept = 0;
+        self.held_swept = 0;
     }
 
     /// Changes the phase; returns the wakers to wake once the borrow is released.
@@ -611,36 +794,89 @@ impl RedisClient {
     pub async fn connect(config: RedisConfig) -> Result<RedisClient, RedisError> {
         let connect_timeout = config.connect_timeout;
         let client = RedisClient::new(config);
-        let shared = &client.handle.shared;
+        client.wait_connected(connect_timeout).await?;
+        Ok(client)
+    }
+
+    /// Waits until the connection is up, at most `timeout` (at once if it is).
+    pub async fn wait_connected(&self, timeout: Duration) -> Result<(), RedisError> {
+        let shared = &self.handle.shared;
         let up = poll_fn(|cx| {
             let mut pipeline = shared.pipeline.borrow_mut();
             match pipeline.phase {
                 Phase::Connected => Poll::Ready(Ok(())),
                 Phase::Closed => Poll::Ready(Err(RedisError::Closed)),
                 Phase::Disconnected => {
+                    // Bounded: one entry per waiter, drained on every phase change.
                     pipeline.phase_wakers.push(cx.waker().clone());
                     Poll::Pending
                 }
             }
         });
         let deadline = async {
-            glommio::timer::sleep(connect_timeout).await;
+            glommio::timer::sleep(timeout).await;
             Err(RedisError::NotSent(NotSentReason::ConnectTimedOut))
         };
-        or(up, deadline).await?;
-        Ok(client)
+        or(up, deadline).await
     }
 
     /// Sends one command and waits for its reply. `encode` must append exactly ONE command
     /// to the shared pipeline buffer (e.g. with [`resp::encode_fcall`]); it runs while the
     /// pipeline is borrowed, so it must not touch this client, and must not panic.
     pub async fn request(&self, encode: impl FnOnce(&mut BytesMut)) -> Result<Reply, RedisError> {
+        self.request_fenced(encode).await.map(|fenced| fenced.reply)
+    }
+
+    /// [`RedisClient::request`] that also says what the batch's `WAIT` answered
+    /// ([`FenceOutcome::NotFenced`] unless this connection fences, see [`FenceConfig`]).
+    pub async fn request_fenced(
+        &self,
+        encode: impl FnOnce(&mut BytesMut),
+    ) -> Result<Fenced, RedisError> {
         let shared = &self.handle.shared;
         let (slot, waker) = shared.pipeline.borrow_mut().enqueue(encode, Instant::now())?;
         if let Some(waker) = waker {
             waker.wake();
         }
-        SlotWait { slot }.await
+        let wait = SlotWait { slot: Rc::clone(&slot) };
+        let reply = wait.await?;
+        Ok(Fenced { reply, fence: slot.fence.get() })
+    }
+
+    /// `ASKING` and then the command, adjacent in the same batch (Redis Cluster's one-shot
+    /// redirect: the flag covers exactly the next command of this connection). Both are
+    /// queued in one step or neither is, and both are cancelled together if this future is
+    /// dropped, so an `ASKING` never goes out alone to flag a stranger's command.
+    pub async fn request_asking(
+        &self,
+        encode: impl FnOnce(&mut BytesMut),
+    ) -> Result<Fenced, RedisError> {
+        let shared = &self.handle.shared;
+        let now = Instant::now();
+        let (asking, command, waker) = {
+            let mut pipeline = shared.pipeline.borrow_mut();
+            if pipeline.in_flight() + 2 > pipeline.in_flight_max {
+                return Err(RedisError::Full);
+            }
+            let (asking, waker) =
+                pipeline.enqueue(|buf| resp::encode_command(buf, &[b"ASKING"]), now)?;
+            // Cannot be Full (checked above); on any other refusal the ASKING is cut out
+            // when its wait is dropped below, before any write.
+            let asking = SlotWait { slot: asking };
+            let command = pipeline.enqueue(encode, now).map(|(slot, _)| slot);
+            (asking, command, waker)
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        let slot = command?;
+        let command = SlotWait { slot: Rc::clone(&slot) };
+        // Replies come in order: ASKING's `+OK` first. The pair shares one batch and one
+        // deadline, so the command's own result says everything (an ASKING refused by the
+        // server shows up as the command's redirect or error reply).
+        let _ = asking.await;
+        let reply = command.await?;
+        Ok(Fenced { reply, fence: slot.fence.get() })
     }
 
     /// A command given as its arguments, e.g. `&[b"GET", key]`.
@@ -1077,6 +1313,116 @@ mod tests {
         assert!(protocol.to_string().contains("outcome unknown"));
         assert!(!RedisError::Closed.is_transient());
         let _ = Reply::Bulk(Bytes::new());
+    }
+
+    fn fencing_pipeline(acks: u32) -> Pipeline {
+        let mut config = RedisConfig::new(SocketAddr::from(([127, 0, 0, 1], 1)));
+        config.command_timeout = Duration::from_millis(100);
+        config.fence = FenceConfig::replicas(acks, Duration::from_millis(20));
+        let mut p = Pipeline::new(&config);
+        p.phase = Phase::Connected;
+        p
+    }
+
+    fn poll_fence(wait: &mut SlotWait) -> Option<(Reply, FenceOutcome)> {
+        match poll_slot(wait) {
+            Poll::Ready(Ok(reply)) => Some((reply, wait.slot.fence.get())),
+            Poll::Ready(Err(e)) => panic!("unexpected error {e}"),
+            Poll::Pending => None,
+        }
+    }
+
+    #[test]
+    fn fenced_batch_gets_one_wait_and_replies_wait_for_it() {
+        let mut p = fencing_pipeline(1);
+        let now = Instant::now();
+        let mut a = SlotWait { slot: p.enqueue(get(b"a"), now).unwrap().0 };
+        let mut b = SlotWait { slot: p.enqueue(get(b"b"), now).unwrap().0 };
+        let mut out = BytesMut::new();
+        assert_eq!(p.take_batch(&mut out), 2);
+        let mut expected = encoded(&[b"a", b"b"]);
+        resp::encode_command(&mut expected, &[b"WAIT", b"1", b"20"]);
+        assert_eq!(out, expected, "exactly one WAIT, after the whole batch");
+        assert!(p.deliver(Reply::Integer(1)));
+        assert!(p.deliver(Reply::Integer(2)));
+        assert!(poll_fence(&mut a).is_none(), "a reply is held until the WAIT answers");
+        assert!(poll_fence(&mut b).is_none());
+        assert_eq!(p.in_flight(), 3, "two held replies and the WAIT");
+        assert!(p.deliver(Reply::Integer(1)), "the WAIT's answer");
+        assert_eq!(poll_fence(&mut a), Some((Reply::Integer(1), FenceOutcome::Met { acks: 1 })));
+        assert_eq!(poll_fence(&mut b), Some((Reply::Integer(2), FenceOutcome::Met { acks: 1 })));
+        assert_eq!(p.in_flight(), 0);
+        // An empty batch (everything cancelled) carries no WAIT.
+        let cancelled = SlotWait { slot: p.enqueue(get(b"c"), now).unwrap().0 };
+        drop(cancelled);
+        assert_eq!(p.take_batch(&mut out), 0);
+        assert!(out.is_empty() && p.written.is_empty());
+    }
+
+    #[test]
+    fn wait_short_or_error_is_short_never_met() {
+        for (wait_reply, acks) in
+            [(Reply::Integer(1), 1), (Reply::Error(Bytes::from_static(b"ERR replica")), 0)]
+        {
+            let mut p = fencing_pipeline(2);
+            let now = Instant::now();
+            let mut a = SlotWait { slot: p.enqueue(get(b"a"), now).unwrap().0 };
+            p.take_batch(&mut BytesMut::new());
+            assert!(p.deliver(Reply::Integer(7)));
+            assert!(p.deliver(wait_reply));
+            assert_eq!(
+                poll_fence(&mut a),
+                Some((Reply::Integer(7), FenceOutcome::Short { acks, wanted: 2 }))
+            );
+        }
+    }
+
+    #[test]
+    fn unfenced_connection_sends_no_wait_and_reports_not_fenced() {
+        let mut p = pipeline(8);
+        let mut a = SlotWait { slot: p.enqueue(get(b"a"), Instant::now()).unwrap().0 };
+        let mut out = BytesMut::new();
+        p.take_batch(&mut out);
+        assert_eq!(out, encoded(&[b"a"]));
+        assert!(p.deliver(Reply::Integer(1)));
+        assert_eq!(poll_fence(&mut a), Some((Reply::Integer(1), FenceOutcome::NotFenced)));
+    }
+
+    #[test]
+    fn held_reply_without_its_wait_is_unknown_on_deadline_and_on_loss() {
+        let mut p = fencing_pipeline(1);
+        let t0 = Instant::now();
+        let mut a = SlotWait { slot: p.enqueue(get(b"a"), t0).unwrap().0 };
+        p.take_batch(&mut BytesMut::new());
+        assert!(p.deliver(Reply::Integer(1)));
+        // The WAIT hangs past the deadline: the command ran, its fence is unknown.
+        p.sweep(t0 + Duration::from_millis(100));
+        assert!(matches!(
+            poll_slot(&mut a),
+            Poll::Ready(Err(RedisError::OutcomeUnknown(UnknownReason::TimedOut)))
+        ));
+        // The late WAIT answer goes to nobody and breaks nothing.
+        assert!(p.deliver(Reply::Integer(1)));
+        assert_eq!(p.in_flight(), 0);
+
+        let mut b = SlotWait { slot: p.enqueue(get(b"b"), t0).unwrap().0 };
+        p.take_batch(&mut BytesMut::new());
+        assert!(p.deliver(Reply::Integer(2)));
+        p.fail_all(&ConnEnd::Eof);
+        assert!(matches!(
+            poll_slot(&mut b),
+            Poll::Ready(Err(RedisError::OutcomeUnknown(UnknownReason::ConnectionLost)))
+        ));
+        assert_eq!(p.in_flight(), 0);
+    }
+
+    #[test]
+    fn fence_must_fit_inside_the_command_timeout() {
+        let mut config = RedisConfig::new(SocketAddr::from(([127, 0, 0, 1], 1)));
+        config.fence = FenceConfig::replicas(1, config.command_timeout);
+        assert!(config.validate().is_err());
+        config.fence = FenceConfig::replicas(1, Duration::from_millis(50));
+        assert!(config.validate().is_ok());
     }
 
     #[test]

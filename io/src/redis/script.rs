@@ -20,6 +20,11 @@ use std::fmt;
 
 use bytes::BytesMut;
 
+use crate::redis::cluster::Lane;
+use crate::redis::connection::FenceOutcome;
+use crate::redis::layout::ActivityStatus;
+use crate::redis::router::Router;
+use crate::redis::slot::Slot;
 use crate::redis::{RedisClient, RedisError};
 use crate::resp::U64Text;
 use crate::resp::{encode_fcall, Reply};
@@ -40,10 +45,11 @@ pub const CLAIM_BATCH_MAX: u32 = 512;
 /// Longest SKU prefix: `seckill:{` + u64 + `:` + u64 + `}:`.
 const PREFIX_LEN_MAX: usize = 9 + 20 + 1 + 20 + 2;
 
-/// Longest key built per call: prefix + `resv:` / `comp:` / `user:` / `req:` + an id.
-const KEY_LEN_MAX: usize = PREFIX_LEN_MAX + 5 + ID_LEN_MAX;
+/// Longest key built per call: prefix + `resv:` / `comp:` / `user:` + an id, or prefix +
+/// `req:` + a u64 user id + `:` + an id (the longest).
+const KEY_LEN_MAX: usize = PREFIX_LEN_MAX + 4 + 20 + 1 + ID_LEN_MAX;
 
-const _: () = assert!(KEY_LEN_MAX <= 192, "per-call keys live on the stack; keep them small");
+const _: () = assert!(KEY_LEN_MAX <= 224, "per-call keys live on the stack; keep them small");
 const _: () = assert!(20 <= ID_LEN_MAX, "a u64 user id must fit where an id fits");
 
 // ---------------------------------------------------------------------------------------------
@@ -68,6 +74,12 @@ pub enum ScriptError {
     /// nothing was sent.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
+    /// `reserve` answered a reservation (CREATED, or IDEMPOTENT for one still queued) but the
+    /// `WAIT` after it confirmed fewer than `min_replica_acks` replicas: it exists on the
+    /// master and may vanish on failover. Never a promise: the engine answers `UNKNOWN` and
+    /// the client retries with the same request id.
+    #[error("reservation not confirmed by replicas ({acks} of {wanted} acknowledged)")]
+    FenceShort { acks: u32, wanted: u32 },
 }
 
 /// Error-reply prefixes after which the server did not run the command and may accept it a
@@ -84,6 +96,7 @@ impl ScriptError {
                 TRANSIENT_SERVER_ERRORS.iter().any(|prefix| message.starts_with(prefix))
             }
             ScriptError::UnexpectedReply(_) | ScriptError::InvalidArgument(_) => false,
+            ScriptError::FenceShort { .. } => true,
         }
     }
 
@@ -94,6 +107,8 @@ impl ScriptError {
             ScriptError::Redis(e) => e.outcome_unknown(),
             // The script ran and replied something we cannot read: what it wrote is unknown.
             ScriptError::UnexpectedReply(_) => true,
+            // It ran on the master; whether it survives a failover is unknown.
+            ScriptError::FenceShort { .. } => true,
             // An error reply means the function did not run or failed in validation, before
             // any write (the library validates first); nothing was sent for InvalidArgument.
             ScriptError::Server(_) | ScriptError::InvalidArgument(_) => false,
@@ -114,6 +129,8 @@ fn unexpected(function: &str, what: &str, reply: &Reply) -> ScriptError {
 /// [`KeyBuf`] on the stack, so a call allocates no key strings.
 #[derive(Debug, Clone)]
 pub struct SkuKeys {
+    /// The Redis Cluster slot of every key of this SKU (they share the `{A:S}` hash tag).
+    slot: Slot,
     prefix: String,
     meta: String,
     stock: String,
@@ -127,6 +144,7 @@ impl SkuKeys {
         let prefix = format!("seckill:{{{activity_id}:{sku_id}}}:");
         debug_assert!(prefix.len() <= PREFIX_LEN_MAX);
         SkuKeys {
+            slot: Slot::of_key(prefix.as_bytes()),
             meta: format!("{prefix}meta"),
             stock: format!("{prefix}stock"),
             pending: format!("{prefix}resv:pending"),
@@ -134,6 +152,11 @@ impl SkuKeys {
             soldout: format!("{prefix}soldout"),
             prefix,
         }
+    }
+
+    /// The slot all of this SKU's keys live in: what every call for this SKU routes by.
+    pub fn slot(&self) -> Slot {
+        self.slot
     }
 
     /// `seckill:{A:S}:`, the `key_prefix` argument of `claim_due`.
@@ -165,8 +188,13 @@ impl SkuKeys {
             .unwrap_or_else(|| unreachable!("u64 user key exceeds KEY_LEN_MAX"))
     }
 
-    pub fn req(&self, request_id: &str) -> Result<KeyBuf, ScriptError> {
-        self.with_id("req:", request_id, "request_id")
+    /// `req:{user_id}:{request_id}`: a request id is the buyer's own (another buyer can
+    /// neither see nor squat it).
+    pub fn req(&self, user_id: u64, request_id: &str) -> Result<KeyBuf, ScriptError> {
+        check_id(request_id, "request_id")?;
+        let digits = U64Text::new(user_id);
+        let parts: [&[u8]; 4] = [b"req:", digits.as_bytes(), b":", request_id.as_bytes()];
+        KeyBuf::build_parts(&self.prefix, &parts).ok_or(ScriptError::InvalidArgument("request_id"))
     }
 
     pub fn resv(&self, reservation_id: &str) -> Result<KeyBuf, ScriptError> {
@@ -199,14 +227,21 @@ pub struct KeyBuf {
 
 impl KeyBuf {
     fn build(prefix: &str, kind: &str, id: &[u8]) -> Option<KeyBuf> {
-        let len = prefix.len() + kind.len() + id.len();
+        KeyBuf::build_parts(prefix, &[kind.as_bytes(), id])
+    }
+
+    fn build_parts(prefix: &str, parts: &[&[u8]]) -> Option<KeyBuf> {
+        let len = prefix.len() + parts.iter().map(|p| p.len()).sum::<usize>();
         if len > KEY_LEN_MAX {
             return None;
         }
         let mut bytes = [0u8; KEY_LEN_MAX];
         bytes[..prefix.len()].copy_from_slice(prefix.as_bytes());
-        bytes[prefix.len()..prefix.len() + kind.len()].copy_from_slice(kind.as_bytes());
-        bytes[prefix.len() + kind.len()..len].copy_from_slice(id);
+        let mut at = prefix.len();
+        for part in parts {
+            bytes[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
         Some(KeyBuf { len, bytes })
     }
 
@@ -321,6 +356,9 @@ pub enum ReserveReply {
     /// `stock_after` is what is left, 0 meaning this call sold the SKU out.
     Created {
         stock_after: u64,
+        /// `resv.expires_at`: `now_ms` + the SKU's `meta.reservation_ttl_ms`, as `reserve`
+        /// wrote it (the order-create message carries the same instant).
+        expires_at_ms: u64,
     },
     /// This request was recorded before with the same payload: its first result.
     Idempotent {
@@ -346,6 +384,7 @@ pub enum ReserveReply {
 pub struct MarkSentArgs<'a> {
     pub reservation_id: &'a str,
     pub request_id: &'a str,
+    pub user_id: u64,
     pub now_ms: u64,
     /// The pending entry is re-scored to `now_ms + order_deadline_ms`: if no final outcome
     /// arrived by then, the scanner republishes.
@@ -449,26 +488,6 @@ pub enum CompensateReply {
     AlreadyApplied,
 }
 
-/// Activity status as stored in `meta.status`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ActivityStatus {
-    Pending,
-    Active,
-    Ended,
-    Terminated,
-}
-
-impl ActivityStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ActivityStatus::Pending => "PENDING",
-            ActivityStatus::Active => "ACTIVE",
-            ActivityStatus::Ended => "ENDED",
-            ActivityStatus::Terminated => "TERMINATED",
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy)]
 pub struct PreheatArgs {
     pub status: ActivityStatus,
@@ -498,76 +517,135 @@ pub enum PreheatReply {
 /// `FUNCTION LOAD REPLACE <LIBRARY>`.
 pub async fn load_library(client: &RedisClient) -> Result<(), ScriptError> {
     let reply = client.command(&[b"FUNCTION", b"LOAD", b"REPLACE", LIBRARY.as_bytes()]).await?;
-    match &reply {
+    check_loaded(&reply)
+}
+
+/// `FUNCTION LOAD REPLACE <LIBRARY>` on one node of a router.
+pub async fn load_library_on(
+    router: &Router,
+    node: std::net::SocketAddr,
+) -> Result<(), ScriptError> {
+    let args: [&[u8]; 4] = [b"FUNCTION", b"LOAD", b"REPLACE", LIBRARY.as_bytes()];
+    let reply = router.request_on(node, |buf| crate::resp::encode_command(buf, &args)).await?;
+    check_loaded(&reply)
+}
+
+fn check_loaded(reply: &Reply) -> Result<(), ScriptError> {
+    match reply {
         Reply::Bulk(name) | Reply::Simple(name) if name.as_ref() == LIBRARY_NAME.as_bytes() => {
             Ok(())
         }
         Reply::Error(message) => Err(server_error(message)),
-        _ => Err(unexpected("FUNCTION LOAD", "not the library name", &reply)),
+        _ => Err(unexpected("FUNCTION LOAD", "not the library name", reply)),
     }
 }
 
-/// The `seckill` functions over one pipelined client (one per owner shard and node; not
-/// `Sync`: share it between a shard's tasks with `Rc`).
+/// The `seckill` functions over one [`Router`]: a standalone server or a Redis Cluster, with
+/// the same call sites (not `Sync`: share it between a shard's tasks with `Rc`). Every call
+/// routes by its SKU's slot ([`SkuKeys::slot`]); `reserve` takes the fenced lane.
 pub struct Functions {
-    client: RedisClient,
-    /// Bumped after each library load, so tasks that all saw "function not found" for
-    /// commands sent before the load reload once between them, not once each.
+    router: Router,
+    /// A standalone server's library generation (a cluster keeps one per node): bumped after
+    /// each load, so tasks that all saw "function not found" reload once between them.
     library_generation: Cell<u64>,
     reload: futures::lock::Mutex<()>,
+    /// The connection [`Functions::client`] hands out (see there).
+    unrouted: RedisClient,
 }
 
 impl Functions {
+    /// Over one standalone connection, without replica fencing.
     pub fn new(client: RedisClient) -> Functions {
+        Functions::over(Router::standalone(client))
+    }
+
+    /// Over any router (standalone or cluster, fenced or not).
+    pub fn over(router: Router) -> Functions {
+        let unrouted = router.first_client();
         Functions {
-            client,
+            router,
             library_generation: Cell::new(0),
             reload: futures::lock::Mutex::new(()),
+            unrouted,
         }
     }
 
-    pub fn client(&self) -> &RedisClient {
-        &self.client
+    /// Loads the library on every master (start-up; a promoted replica already has it).
+    pub async fn load_everywhere(&self) -> Result<(), ScriptError> {
+        for node in self.router.masters() {
+            load_library_on(&self.router, node).await?;
+        }
+        Ok(())
     }
 
-    /// Sends one FCALL; on "function not found" loads the library (once across concurrent
-    /// callers) and resends once. Server error replies become [`ScriptError::Server`].
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// A command of the caller's own (a typed read, `SMEMBERS seckill:active-skus`), routed
+    /// by the slot of its keys, on the plain lane. Error replies are values here.
+    pub async fn command(&self, slot: Slot, args: &[&[u8]]) -> Result<Reply, ScriptError> {
+        Ok(self.router.command(slot, args).await?)
+    }
+
+    /// The standalone connection. Over a cluster: the plain connection to the first master
+    /// of the map at start, UNROUTED — a command for another master's key gets `-MOVED` as
+    /// an error reply (never a wrong answer). Kept for the call sites written before the
+    /// cluster; new code uses [`Functions::command`].
+    pub fn client(&self) -> &RedisClient {
+        &self.unrouted
+    }
+
+    /// Sends one FCALL routed by `slot`; on "function not found" loads the library on the
+    /// node that said so (once across concurrent callers) and resends once. Server error
+    /// replies become [`ScriptError::Server`]. The fence is that of the lane.
     async fn fcall(
         &self,
+        slot: Slot,
+        lane: Lane,
         function: &'static str,
         keys: &[&[u8]],
         args: &[&[u8]],
-    ) -> Result<Reply, ScriptError> {
-        let generation = self.library_generation.get();
-        let reply = self
-            .client
-            .request(|buf: &mut BytesMut| encode_fcall(buf, function.as_bytes(), keys, args))
-            .await?;
-        let reply = match reply {
-            Reply::Error(message) if is_function_not_found(&message) => {
-                self.reload_after(generation).await?;
-                self.client
-                    .request(|buf: &mut BytesMut| {
-                        encode_fcall(buf, function.as_bytes(), keys, args)
-                    })
-                    .await?
+    ) -> Result<(Reply, FenceOutcome), ScriptError> {
+        let encode = |buf: &mut BytesMut| encode_fcall(buf, function.as_bytes(), keys, args);
+        let routed = self.router.request(slot, lane, encode).await?;
+        let routed = match &routed.reply {
+            Reply::Error(message) if is_function_not_found(message) => {
+                let generation = self.generation_of(routed.node);
+                self.reload_after(routed.node, generation).await?;
+                self.router.request(slot, lane, encode).await?
             }
-            reply => reply,
+            _ => routed,
         };
-        match reply {
+        match routed.reply {
             Reply::Error(message) => Err(server_error(&message)),
-            reply => Ok(reply),
+            reply => Ok((reply, routed.fence)),
         }
     }
 
-    /// Loads the library unless someone did since `seen_generation` was read (then the
-    /// library is already back and resending is enough).
-    async fn reload_after(&self, seen_generation: u64) -> Result<(), ScriptError> {
+    fn generation_of(&self, node: std::net::SocketAddr) -> u64 {
+        match self.router.cluster() {
+            Some(cluster) => cluster.library_generation(node),
+            None => self.library_generation.get(),
+        }
+    }
+
+    /// Loads the library on `node` unless someone did since `seen_generation` was read (then
+    /// the library is already back and resending is enough).
+    async fn reload_after(
+        &self,
+        node: std::net::SocketAddr,
+        seen_generation: u64,
+    ) -> Result<(), ScriptError> {
         let _guard = self.reload.lock().await;
-        if self.library_generation.get() == seen_generation {
-            tracing::warn!("redis: function not found; loading the seckill library");
-            load_library(&self.client).await?;
-            self.library_generation.set(seen_generation.wrapping_add(1));
+        if self.generation_of(node) == seen_generation {
+            tracing::warn!(%node, "redis: function not found; loading the seckill library");
+            load_library_on(&self.router, node).await?;
+            let next = seen_generation.wrapping_add(1);
+            match self.router.cluster() {
+                Some(cluster) => cluster.set_library_generation(node, next),
+                None => self.library_generation.set(next),
+            }
         }
         Ok(())
     }
@@ -582,13 +660,15 @@ impl Functions {
         check_id(args.payload_hash, "payload_hash")?;
         check_id(args.message_id, "message_id")?;
         let user = keys.user(args.user_id);
-        let req = keys.req(args.request_id)?;
+        let req = keys.req(args.user_id, args.request_id)?;
         let resv = keys.resv(args.reservation_id)?;
         let user_id = U64Text::new(args.user_id);
         let now_ms = U64Text::new(args.now_ms);
         let grace_ms = U64Text::new(args.pending_grace_ms);
-        let reply = self
+        let (reply, fence) = self
             .fcall(
+                keys.slot(),
+                Lane::Fenced,
                 "reserve",
                 &[
                     keys.meta.as_bytes(),
@@ -610,7 +690,7 @@ impl Functions {
                 ],
             )
             .await?;
-        parse_reserve(reply, args)
+        fenced(parse_reserve(reply, args)?, fence)
     }
 
     pub async fn mark_sent(
@@ -619,11 +699,13 @@ impl Functions {
         args: &MarkSentArgs<'_>,
     ) -> Result<MarkSentReply, ScriptError> {
         let resv = keys.resv(args.reservation_id)?;
-        let req = keys.req(args.request_id)?;
+        let req = keys.req(args.user_id, args.request_id)?;
         let now_ms = U64Text::new(args.now_ms);
         let deadline_ms = U64Text::new(args.order_deadline_ms);
-        let reply = self
+        let (reply, _plain) = self
             .fcall(
+                keys.slot(),
+                Lane::Plain,
                 "mark_sent",
                 &[resv.as_bytes(), keys.pending.as_bytes(), req.as_bytes()],
                 &[args.reservation_id.as_bytes(), now_ms.as_bytes(), deadline_ms.as_bytes()],
@@ -642,8 +724,10 @@ impl Functions {
         let base_ms = U64Text::new(args.backoff_base_ms);
         let max_ms = U64Text::new(args.backoff_max_ms);
         let recovery_ms = U64Text::new(args.recovery_deadline_ms);
-        let reply = self
+        let (reply, _plain) = self
             .fcall(
+                keys.slot(),
+                Lane::Plain,
                 "claim_due",
                 &[keys.pending.as_bytes(), keys.stuck.as_bytes()],
                 &[
@@ -666,7 +750,7 @@ impl Functions {
     ) -> Result<ApplyResultReply, ScriptError> {
         check_id(args.payload_hash, "payload_hash")?;
         check_id(args.message_id, "message_id")?;
-        let req = keys.req(args.request_id)?;
+        let req = keys.req(args.user_id, args.request_id)?;
         let resv = keys.resv(args.reservation_id)?;
         let (outcome, order_id, reason_code): (&[u8], &str, &str) = match args.outcome {
             FinalOutcome::OrderCreated { order_id } => {
@@ -680,8 +764,10 @@ impl Functions {
         };
         let now_ms = U64Text::new(args.now_ms);
         let user_id = U64Text::new(args.user_id);
-        let reply = self
+        let (reply, _plain) = self
             .fcall(
+                keys.slot(),
+                Lane::Plain,
                 "apply_result",
                 &[req.as_bytes(), resv.as_bytes(), keys.pending.as_bytes()],
                 &[
@@ -709,10 +795,18 @@ impl Functions {
         let comp = keys.comp(args.reservation_id)?;
         let user = keys.user(args.user_id);
         let resv = keys.resv(args.reservation_id)?;
-        let req = keys.req(args.request_id)?;
+        let req = keys.req(args.user_id, args.request_id)?;
         let now_ms = U64Text::new(args.now_ms);
-        let reply = self
+        // Negative control (tests/tests/negative_controls.rs): the marker is forgotten before
+        // the call, so `compensate` cannot tell a second compensation from the first.
+        #[cfg(feature = "failpoints")]
+        if crate::negctl::switched_off("negctl.comp_marker_off") {
+            self.command(keys.slot(), &[b"DEL", comp.as_bytes()]).await?;
+        }
+        let (reply, _plain) = self
             .fcall(
+                keys.slot(),
+                Lane::Plain,
                 "compensate",
                 &[
                     comp.as_bytes(),
@@ -745,8 +839,10 @@ impl Functions {
         let version = U64Text::new(args.version);
         let ttl_ms = U64Text::new(args.reservation_ttl_ms);
         let stock = U64Text::new(args.stock);
-        let reply = self
+        let (reply, _plain) = self
             .fcall(
+                keys.slot(),
+                Lane::Plain,
                 "preheat",
                 &[keys.meta.as_bytes(), keys.stock.as_bytes(), keys.soldout.as_bytes()],
                 &[
@@ -766,6 +862,26 @@ impl Functions {
 // ---------------------------------------------------------------------------------------------
 // Reply parsing (pure; never panics on server input)
 // ---------------------------------------------------------------------------------------------
+
+/// A reservation the buyer could be told about (CREATED, or a replay of one still queued)
+/// is only passed on when its fence held; otherwise [`ScriptError::FenceShort`].
+/// Answers that promise nothing new (sold out, conflict, a final state that PostgreSQL
+/// decided) pass through whatever the fence said.
+fn fenced(reply: ReserveReply, fence: FenceOutcome) -> Result<ReserveReply, ScriptError> {
+    let promises = match &reply {
+        ReserveReply::Created { .. } => true,
+        ReserveReply::Idempotent { state, .. } => {
+            matches!(state, RequestState::Queued | RequestState::QueuedPending)
+        }
+        _ => false,
+    };
+    match fence {
+        FenceOutcome::Short { acks, wanted } if promises => {
+            Err(ScriptError::FenceShort { acks, wanted })
+        }
+        _ => Ok(reply),
+    }
+}
 
 fn is_function_not_found(message: &[u8]) -> bool {
     // Redis 7: "ERR Function not found". Matched without the prefix so a proxy that rewrites
@@ -816,10 +932,10 @@ fn array<'r>(function: &str, reply: &'r Reply, len: usize) -> Result<&'r [Reply]
 }
 
 /// Parses a `reserve` reply: `[code, reservation_id, message_id, state, order_id, reason_code,
-/// stock_after]`. A CREATED reply must echo the ids that were sent.
+/// stock_after, expires_at]`. A CREATED reply must echo the ids that were sent.
 pub fn parse_reserve(reply: Reply, sent: &ReserveArgs<'_>) -> Result<ReserveReply, ScriptError> {
     const F: &str = "reserve";
-    let items = array(F, &reply, 7)?;
+    let items = array(F, &reply, 8)?;
     let bad = |what: &str| unexpected(F, what, &reply);
     let code = text(&items[0]).ok_or_else(|| bad("code"))?;
     match code {
@@ -830,7 +946,8 @@ pub fn parse_reserve(reply: Reply, sent: &ReserveArgs<'_>) -> Result<ReserveRepl
                 return Err(bad("ids not echoed"));
             }
             let stock_after = uint(&items[6]).ok_or_else(|| bad("stock_after"))?;
-            Ok(ReserveReply::Created { stock_after })
+            let expires_at_ms = uint(&items[7]).ok_or_else(|| bad("expires_at"))?;
+            Ok(ReserveReply::Created { stock_after, expires_at_ms })
         }
         "IDEMPOTENT" => {
             let reservation_id = owned(&items[1]).filter(|s| !s.is_empty());
@@ -990,6 +1107,8 @@ mod tests {
         let mut items = vec![bulk(code)];
         items.extend(f.iter().map(|s| bulk(s)));
         items.push(Reply::Integer(stock));
+        // `reserve` reports the expiry only for CREATED (-1 otherwise).
+        items.push(Reply::Integer(if code == "CREATED" { 301_000 } else { -1 }));
         arr(items)
     }
 
@@ -1021,7 +1140,7 @@ mod tests {
         assert_eq!(keys.soldout(), "seckill:{10001:20001}:soldout");
         assert_eq!(keys.user(30001).as_str(), "seckill:{10001:20001}:user:30001");
         assert_eq!(keys.user(0).as_str(), "seckill:{10001:20001}:user:0");
-        assert_eq!(keys.req("r1").unwrap().as_str(), "seckill:{10001:20001}:req:r1");
+        assert_eq!(keys.req(30001, "r1").unwrap().as_str(), "seckill:{10001:20001}:req:30001:r1");
         assert_eq!(keys.resv("v1").unwrap().as_str(), "seckill:{10001:20001}:resv:v1");
         assert_eq!(keys.comp("v1").unwrap().as_str(), "seckill:{10001:20001}:comp:v1");
     }
@@ -1034,7 +1153,10 @@ mod tests {
         assert_eq!(key.as_bytes().len(), keys.prefix().len() + 5 + ID_LEN_MAX);
         assert_eq!(keys.user(u64::MAX).as_str(), format!("{}user:{}", keys.prefix(), u64::MAX));
         let too_long = "x".repeat(ID_LEN_MAX + 1);
-        assert!(matches!(keys.req(&too_long), Err(ScriptError::InvalidArgument("request_id"))));
+        let longest = keys.req(u64::MAX, &id).unwrap();
+        assert_eq!(longest.as_bytes().len(), keys.prefix().len() + 4 + 20 + 1 + ID_LEN_MAX);
+        let too_long_req = keys.req(1, &too_long);
+        assert!(matches!(too_long_req, Err(ScriptError::InvalidArgument("request_id"))));
         assert!(matches!(keys.comp(""), Err(ScriptError::InvalidArgument("reservation_id"))));
     }
 
@@ -1048,7 +1170,10 @@ mod tests {
     #[test]
     fn reserve_created() {
         let r = reserve_reply("CREATED", ["resv_1", "msg_1", "QUEUED_PENDING", "", ""], 99);
-        assert_eq!(parse_reserve(r, &SENT).unwrap(), ReserveReply::Created { stock_after: 99 });
+        assert_eq!(
+            parse_reserve(r, &SENT).unwrap(),
+            ReserveReply::Created { stock_after: 99, expires_at_ms: 301_000 }
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! side, in-process worker), as `kill -9` does, while Redis, NATS and PostgreSQL keep their
 //! data. The drill re-executes its own test binary (`current_exe() --exact drill_child`)
 //! with the servers' URLs in the environment; the child runs the engine in-process exactly
-//! as `flashsale serve` does ([`flashsale_engine::serve::start`] with a worker), configures
+//! as `flashsale serve` does ([`flashsale_engine::app::serve::start`] with a worker), configures
 //! the failpoint with `fail::cfg_callback`, and prints its ports. Spawning
 //! `target/debug/flashsale serve` instead would need the binary built with the `failpoints`
 //! feature (`cargo test -p flashsale-tests` does not build it) and a way to configure an
@@ -26,9 +26,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use flashsale_engine::auth::PassKeys;
-use flashsale_engine::ids::{ActivityId, UserId};
-use flashsale_engine::serve;
+use flashsale_engine::app::serve;
+use flashsale_engine::logic::auth::PassKeys;
+use flashsale_engine::logic::ids::{ActivityId, UserId};
 use flashsale_io::log::LogConfig;
 use flashsale_tests::{PrivateNats, PrivateRedis, TestDb, KEYS};
 use serde_json::Value;
@@ -87,7 +87,7 @@ pub fn child_main() {
         let point = name.to_owned();
         fail::cfg_callback(name, move || {
             if hits.fetch_add(1, Ordering::Relaxed) + 1 == hit {
-                eprintln!("drill_child: failpoint {point} hit #{hit}: abort");
+                eprintln!("{}", failpoint_line(&point, hit));
                 std::process::abort();
             }
         })
@@ -162,6 +162,14 @@ pub struct EngineProcess {
     child: Child,
     pub http: SocketAddr,
     pub admin: SocketAddr,
+    failpoint: Option<(&'static str, u64)>,
+    /// The child's `drill_child:` stderr lines, sent once its stderr closes (it died).
+    stderr_lines: std::sync::mpsc::Receiver<Vec<String>>,
+}
+
+/// The line the child's failpoint callback writes just before it aborts (see `child_main`).
+fn failpoint_line(name: &str, hit: u64) -> String {
+    format!("drill_child: failpoint {name} hit #{hit}: abort")
 }
 
 impl EngineProcess {
@@ -177,7 +185,7 @@ impl EngineProcess {
             .env_remove(ENV_FAILPOINT)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(Stdio::piped());
         if let Some((name, hit)) = options.failpoint {
             command.env(ENV_FAILPOINT, format!("{name}:{hit}"));
         }
@@ -185,6 +193,21 @@ impl EngineProcess {
             command.env(ENV_WORKER, "0");
         }
         let mut child = command.spawn().expect("spawn the engine child");
+        // Echoes the child's stderr into this test's output and keeps its own lines, so that
+        // an abort can be told to be the failpoint's and not any other.
+        let stderr = child.stderr.take().unwrap();
+        let (lines_tx, stderr_lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut own = Vec::new();
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("{line}");
+                if line.contains("drill_child:") {
+                    own.push(line);
+                }
+            }
+            let _ = lines_tx.send(own);
+        });
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         // Reads the ready line, then drains the rest so the child never blocks on a full pipe.
@@ -209,11 +232,13 @@ impl EngineProcess {
         };
         let mut addrs = ready.split(' ').map(|a| a.parse::<SocketAddr>().unwrap());
         let (http, admin) = (addrs.next().unwrap(), addrs.next().unwrap());
-        EngineProcess { child, http, admin }
+        EngineProcess { child, http, admin, failpoint: options.failpoint, stderr_lines }
     }
 
-    /// Waits for the child to die at its failpoint; asserts it aborted (SIGABRT).
+    /// Waits for the child to die at its failpoint; asserts it aborted (SIGABRT) and that the
+    /// abort was the failpoint's own (its line on the child's stderr), not another one.
     pub fn expect_abort(mut self, within: Duration) {
+        let (name, hit) = self.failpoint.expect("expect_abort needs a failpoint");
         let deadline = Instant::now() + within;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -221,6 +246,15 @@ impl EngineProcess {
                     status.signal(),
                     Some(libc::SIGABRT),
                     "the engine child should die at its failpoint, got {status:?}"
+                );
+                let lines = self
+                    .stderr_lines
+                    .recv_timeout(Duration::from_secs(10))
+                    .expect("the dead child's stderr closes");
+                let expected = failpoint_line(name, hit);
+                assert!(
+                    lines.iter().any(|l| l.contains(&expected)),
+                    "aborted, but not at {name}#{hit}: the child wrote {lines:?}"
                 );
                 return;
             }

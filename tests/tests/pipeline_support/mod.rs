@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use flashsale_io::log::async_nats::jetstream;
 use flashsale_io::log::{Log, LogConfig};
 use flashsale_io::wire::{decode_event, OrderCreate, ReservationEvent, ORDER_CREATE_EVENT_TYPE};
-use flashsale_pg_worker::{generate_tokens, migrate, PgPoolConfig, WorkerConfig};
+use flashsale_pg_worker::{generate_tokens, migrate, OrderPath, PgPoolConfig, WorkerConfig};
 use flashsale_tests::{nats, pg_database, PrivateNats, TestDb};
 use tokio_postgres::{Client, NoTls};
 
@@ -74,7 +74,9 @@ impl Stack {
             log: self.log.config().clone(),
             runtime_threads: 2,
             order_writers: 2,
+            order_path: OrderPath::SetBased,
             batch_max,
+            fetch_min: batch_max,
             fetch_max: batch_max,
             fetch_wait_ms: 50,
             nak_backoff_ms: vec![50, 100, 200],
@@ -261,4 +263,25 @@ where
         assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A fresh migrated database with a plain client and a small pool (the PostgreSQL-level
+/// payment tests).
+pub struct Db {
+    pub db: TestDb,
+    pub client: Client,
+    pub pool: flashsale_pg_worker::deadpool_postgres::Pool,
+}
+
+pub async fn db() -> Db {
+    let db = pg_database().await;
+    let mut client = connect(&db.url).await;
+    migrate(&mut client).await.expect("migrate");
+    let pool = flashsale_pg_worker::build_pool(&PgPoolConfig {
+        url: db.url.clone(),
+        pool_size: 4,
+        ..Default::default()
+    })
+    .expect("pool");
+    Db { db, client, pool }
 }

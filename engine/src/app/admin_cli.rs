@@ -1,0 +1,445 @@
+//! `flashsale admin ...`: control-plane calls against a running engine's admin listener
+//! (CONTRACT.md sections 1 and 4), over a tiny blocking HTTP/1.1 client.
+//!
+//! - `flashsale admin reconcile --activity A --sku S`: prints the conservation report (JSON);
+//!   exit 0 when it says `"ok": true`, 1 otherwise (a gap, or the engine could not be asked).
+//! - `flashsale admin create-activity --activity A --sku S --stock N [...]`: `POST
+//!   /admin/v1/activities`; prints the answer; exit 0 on 200/201.
+//! - `flashsale admin mode --mode M --version V [--scope S] [--admit-percent P] [--ttl-s T]`:
+//!   signs a degradation-mode snapshot with `FLASHSALE_CONTROL_KEY` and posts it to `POST
+//!   /admin/v1/mode` (every instance then gets it through the mode bucket); `flashsale admin
+//!   mode --show` prints the global mode. Exit 0 when accepted.
+//! - `flashsale admin refunds`: `GET /admin/v1/refunds`, the payments recorded REFUND_NEEDED
+//!   (order id, payment id, amount, since) as JSON; exit 0 when listed.
+//!
+//! Adding a call: a variant of [`AdminCommand`], its argument struct, and a function that uses
+//! [`AdminClient::get_json`] / [`AdminClient::post_json`] and returns the exit status.
+//! `--admin-addr` and `--token` override `FLASHSALE_ADMIN_ADDR` / `FLASHSALE_ADMIN_TOKEN` (and
+//! the TOML file), like every other setting ([`crate::app::config`]).
+//!
+//! What it is not: a general HTTP client (one request per connection, `Content-Length`
+//! bodies only, no TLS — the admin listener is loopback or a private network).
+
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use serde_json::{json, Value};
+
+use crate::app::config::{self, Config, Env, Overrides};
+
+/// Largest answer read (a reconcile report lists bounded ids, so it stays far below this).
+const RESPONSE_BYTES_MAX: usize = 16 << 20;
+
+/// `flashsale admin` and its options shared by every call.
+#[derive(Debug, Args)]
+pub struct AdminArgs {
+    #[command(subcommand)]
+    pub command: AdminCommand,
+    /// Admin listener of the running engine (overrides FLASHSALE_ADMIN_ADDR).
+    #[arg(long, global = true)]
+    pub admin_addr: Option<String>,
+    /// Bearer token of the admin API (overrides FLASHSALE_ADMIN_TOKEN).
+    #[arg(long, global = true)]
+    pub token: Option<String>,
+    /// TOML configuration file (default: flashsale.toml when present).
+    #[arg(long, global = true)]
+    pub config: Option<PathBuf>,
+    /// Stack directory whose env file supplies default URLs.
+    #[arg(long, global = true, default_value = config::DEFAULT_STACK_DIR)]
+    pub stack_dir: PathBuf,
+    /// Seconds to wait for the engine's answer (a reconcile reads both stores).
+    #[arg(long, global = true, default_value_t = 60)]
+    pub timeout_s: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminCommand {
+    /// The conservation report of one SKU (DESIGN.md section 8) as JSON; exit 0 when ok, 1
+    /// when not.
+    Reconcile(SkuArgs),
+    /// Create an activity with one SKU and its stock (idempotent for the same values; the
+    /// engine answers 409 for different values under an existing id).
+    CreateActivity(CreateActivityArgs),
+    /// Set a degradation mode (signed with FLASHSALE_CONTROL_KEY), or `--show` the current one.
+    Mode(ModeArgs),
+    /// Payments whose money must go back (recorded REFUND_NEEDED), oldest first, as JSON.
+    Refunds,
+}
+
+#[derive(Debug, Args)]
+pub struct ModeArgs {
+    /// Print the global scope's effective mode and its snapshot instead of setting one.
+    #[arg(long, conflicts_with_all = ["mode", "version"])]
+    pub show: bool,
+    /// NORMAL, SHED_LOAD, SUBMIT_CLOSED, QUERY_ONLY or RECOVERING.
+    #[arg(long, required_unless_present = "show")]
+    pub mode: Option<String>,
+    /// Share admitted by SHED_LOAD / RECOVERING, in percent.
+    #[arg(long)]
+    pub admit_percent: Option<u8>,
+    /// `global`, `activity:A` or `sku:A:S`.
+    #[arg(long, default_value = "global")]
+    pub scope: String,
+    /// Strictly above the scope's current version (every instance refuses older ones).
+    #[arg(long, required_unless_present = "show")]
+    pub version: Option<u64>,
+    /// Lifetime: past it the scope closes submissions until a newer snapshot arrives, so the
+    /// control plane must refresh it.
+    #[arg(long, default_value_t = 300)]
+    pub ttl_s: u64,
+    /// Who issues it (`[A-Za-z0-9_.@:-]`, logged by every instance).
+    #[arg(long, default_value = "flashsale-admin")]
+    pub issuer: String,
+}
+
+#[derive(Debug, Args)]
+pub struct SkuArgs {
+    /// Activity id.
+    #[arg(long)]
+    pub activity: u64,
+    /// SKU id.
+    #[arg(long)]
+    pub sku: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct CreateActivityArgs {
+    /// Activity id.
+    #[arg(long)]
+    pub activity: u64,
+    /// SKU id.
+    #[arg(long)]
+    pub sku: u64,
+    /// Units (inventory tokens) of the SKU.
+    #[arg(long)]
+    pub stock: u64,
+    /// Window start, ms since the epoch (default: open now).
+    #[arg(long)]
+    pub start_at_ms: Option<u64>,
+    /// Window end, ms since the epoch.
+    #[arg(long)]
+    pub end_at_ms: Option<u64>,
+    /// How long a reservation may wait for its order (default 5 min).
+    #[arg(long)]
+    pub reservation_ttl_ms: Option<u64>,
+    /// How long an order may wait for its payment (default 15 min).
+    #[arg(long)]
+    pub pay_timeout_ms: Option<u64>,
+    /// TOKEN (inventory tokens, the default) or ROW (one counter row).
+    #[arg(long)]
+    pub allocator: Option<String>,
+}
+
+/// Parses `admin ...`-style arguments (the first item is the program name) exactly as the
+/// binary does; for tests and embedding.
+pub fn parse_from<I, T>(args: I) -> Result<AdminArgs, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    #[derive(Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: AdminArgs,
+    }
+    Wrapper::try_parse_from(args).map(|w| w.args)
+}
+
+/// Runs one admin call, writing its answer to `out`; returns the exit status (0 ok, 1 the
+/// call answered "not ok"). Errors (engine unreachable, refused) are exit status 1 in `main`.
+pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8> {
+    let overrides = Overrides { admin_addr: args.admin_addr.clone(), ..Overrides::default() };
+    let config = Config::load(args.config.as_deref(), env, &overrides, &args.stack_dir)?;
+    let client = AdminClient {
+        addr: crate::app::serve::loopback(config.admin_addr),
+        token: args.token.clone().or(config.admin_token),
+        timeout: Duration::from_secs(args.timeout_s.max(1)),
+    };
+    let status = match &args.command {
+        AdminCommand::Reconcile(sku) => reconcile(&client, sku, out)?,
+        AdminCommand::CreateActivity(create) => create_activity(&client, create, out)?,
+        AdminCommand::Mode(mode_args) => {
+            mode(&client, mode_args, config.control_key.as_deref(), out)?
+        }
+        AdminCommand::Refunds => refunds(&client, out)?,
+    };
+    out.flush()?;
+    Ok(status)
+}
+
+fn reconcile(client: &AdminClient, sku: &SkuArgs, out: &mut dyn Write) -> anyhow::Result<u8> {
+    let path = format!("/admin/v1/activities/{}/skus/{}/reconcile", sku.activity, sku.sku);
+    let answer = client.get_json(&path)?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    // 404 still carries a report (PostgreSQL does not know the SKU): not ok.
+    if answer.status != 200 && answer.status != 404 {
+        bail!("the engine answered {} to {path}", answer.status);
+    }
+    Ok(if answer.body["ok"] == Value::Bool(true) { 0 } else { 1 })
+}
+
+fn refunds(client: &AdminClient, out: &mut dyn Write) -> anyhow::Result<u8> {
+    let answer = client.get_json("/admin/v1/refunds")?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    if answer.status != 200 {
+        bail!("the engine could not list refunds ({})", answer.status);
+    }
+    Ok(0)
+}
+
+fn create_activity(
+    client: &AdminClient,
+    args: &CreateActivityArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let mut body = json!({"activity_id": args.activity, "sku_id": args.sku, "stock": args.stock});
+    let optional = [
+        ("start_at_ms", args.start_at_ms.map(Value::from)),
+        ("end_at_ms", args.end_at_ms.map(Value::from)),
+        ("reservation_ttl_ms", args.reservation_ttl_ms.map(Value::from)),
+        ("pay_timeout_ms", args.pay_timeout_ms.map(Value::from)),
+        ("allocator", args.allocator.clone().map(Value::from)),
+    ];
+    for (name, value) in optional {
+        if let Some(value) = value {
+            body[name] = value;
+        }
+    }
+    let answer = client.post_json("/admin/v1/activities", &body)?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    if answer.status != 200 && answer.status != 201 {
+        bail!("the engine refused the activity ({})", answer.status);
+    }
+    Ok(0)
+}
+
+fn mode(
+    client: &AdminClient,
+    args: &ModeArgs,
+    control_key: Option<&str>,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    use crate::logic::modes::{sign, Mode, ModeSnapshot, Scope};
+    if args.show {
+        let answer = client.get_json("/admin/v1/mode")?;
+        writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+        return Ok(if answer.status == 200 { 0 } else { 1 });
+    }
+    let key = control_key.context("FLASHSALE_CONTROL_KEY is not set: cannot sign a mode")?;
+    let key = crate::logic::modes::control_key(key).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let name = args.mode.as_deref().unwrap_or_default();
+    let mode = Mode::from_parts(name, args.admit_percent).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let scope = Scope::parse(&args.scope)
+        .with_context(|| format!("--scope {:?}: global, activity:A or sku:A:S", args.scope))?;
+    let now_ms = crate::logic::clock::now_ms();
+    let snapshot = ModeSnapshot {
+        version: args.version.unwrap_or_default(),
+        scope,
+        mode,
+        issued_at_ms: now_ms,
+        expires_at_ms: now_ms.saturating_add(args.ttl_s.saturating_mul(1000)),
+        issuer: args.issuer.clone(),
+    };
+    let signed = sign(&key, snapshot).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let body: Value = serde_json::from_str(&signed.to_json())?;
+    let answer = client.post_json("/admin/v1/mode", &body)?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    if answer.status != 200 {
+        bail!("the engine refused the mode ({})", answer.status);
+    }
+    Ok(0)
+}
+
+/// One answer of the admin API.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdminResponse {
+    pub status: u16,
+    /// The JSON body (`Value::Null` when empty).
+    pub body: Value,
+}
+
+/// A blocking client of the admin API: one request per connection.
+#[derive(Debug, Clone)]
+pub struct AdminClient {
+    pub addr: SocketAddr,
+    pub token: Option<String>,
+    /// Bound on connecting, and on each read and write.
+    pub timeout: Duration,
+}
+
+impl AdminClient {
+    pub fn get_json(&self, path: &str) -> anyhow::Result<AdminResponse> {
+        self.request("GET", path, None)
+    }
+
+    pub fn post_json(&self, path: &str, body: &Value) -> anyhow::Result<AdminResponse> {
+        self.request("POST", path, Some(&body.to_string()))
+    }
+
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> anyhow::Result<AdminResponse> {
+        let mut stream = TcpStream::connect_timeout(&self.addr, self.timeout)
+            .with_context(|| format!("connect to the admin API at {}", self.addr))?;
+        stream.set_read_timeout(Some(self.timeout))?;
+        stream.set_write_timeout(Some(self.timeout))?;
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAccept: application/json\r\n",
+            self.addr
+        );
+        if let Some(token) = &self.token {
+            head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+        }
+        let body = body.unwrap_or("");
+        if method == "POST" {
+            head.push_str(&format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                body.len()
+            ));
+        }
+        head.push_str("\r\n");
+        stream.write_all(head.as_bytes())?;
+        stream.write_all(body.as_bytes())?;
+        let (status, bytes) = read_response(&mut stream)
+            .with_context(|| format!("read the answer to {method} {path}"))?;
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).with_context(|| {
+                format!("{method} {path} answered {status} with a non-JSON body")
+            })?
+        };
+        Ok(AdminResponse { status, body })
+    }
+}
+
+/// Reads one `Content-Length` response: (status, body).
+fn read_response(stream: &mut impl Read) -> anyhow::Result<(u16, Vec<u8>)> {
+    let mut buf = Vec::with_capacity(16 * 1024);
+    let mut chunk = [0u8; 16 * 1024];
+    let head_end = loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end;
+        }
+        if buf.len() > 64 * 1024 {
+            bail!("response head over 64 KiB");
+        }
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            bail!("connection closed before the response head");
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = std::str::from_utf8(&buf[..head_end]).context("response head is not UTF-8")?;
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|line| line.split(' ').nth(1))
+        .and_then(|code| code.parse().ok())
+        .context("no status line")?;
+    let length: usize = lines
+        .filter_map(|line| line.split_once(':'))
+        .find(|(name, _)| name.trim().eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, value)| value.trim().parse().ok())
+        .context("response without Content-Length")?;
+    if length > RESPONSE_BYTES_MAX {
+        bail!("response body of {length} bytes over the {RESPONSE_BYTES_MAX}-byte bound");
+    }
+    let mut body = buf.split_off(head_end + 4);
+    while body.len() < length {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            bail!("connection closed after {} of {length} body bytes", body.len());
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    body.truncate(length);
+    Ok((status, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_command_lines() {
+        let args = parse_from(["admin", "reconcile", "--activity", "1", "--sku", "2"]).unwrap();
+        assert!(matches!(args.command, AdminCommand::Reconcile(SkuArgs { activity: 1, sku: 2 })));
+        assert_eq!(args.admin_addr, None);
+        let args = parse_from([
+            "admin",
+            "reconcile",
+            "--activity",
+            "1",
+            "--sku",
+            "2",
+            "--admin-addr",
+            "127.0.0.1:9",
+            "--token",
+            "t",
+        ])
+        .unwrap();
+        assert_eq!(args.admin_addr.as_deref(), Some("127.0.0.1:9"));
+        assert_eq!(args.token.as_deref(), Some("t"));
+        let args = parse_from([
+            "admin",
+            "create-activity",
+            "--activity",
+            "1",
+            "--sku",
+            "2",
+            "--stock",
+            "10",
+            "--allocator",
+            "ROW",
+        ])
+        .unwrap();
+        match args.command {
+            AdminCommand::CreateActivity(c) => {
+                assert_eq!((c.activity, c.sku, c.stock), (1, 2, 10));
+                assert_eq!(c.allocator.as_deref(), Some("ROW"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse_from(["admin", "reconcile", "--activity", "1"]).is_err());
+    }
+
+    #[test]
+    fn reads_a_content_length_response_in_pieces() {
+        let raw = b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\ncontent-type: application/json\r\n\r\n{\"ok\":true}";
+        struct Trickle<'a>(&'a [u8]);
+        impl Read for Trickle<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                let n = self.0.len().min(3).min(buf.len());
+                buf[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                Ok(n)
+            }
+        }
+        let (status, body) = read_response(&mut Trickle(raw)).unwrap();
+        assert_eq!((status, body.as_slice()), (200, &b"{\"ok\":true}"[..]));
+        let cut = &raw[..raw.len() - 2];
+        assert!(read_response(&mut Trickle(cut)).is_err(), "a short body is an error");
+        assert!(read_response(&mut Trickle(b"HTTP/1.1 200 OK\r\n\r\n")).is_err());
+    }
+
+    #[test]
+    fn wildcard_addresses_are_reached_on_loopback() {
+        assert_eq!(
+            crate::app::serve::loopback("0.0.0.0:9090".parse().unwrap()),
+            "127.0.0.1:9090".parse().unwrap()
+        );
+        assert_eq!(
+            crate::app::serve::loopback("10.0.0.1:1".parse().unwrap()),
+            "10.0.0.1:1".parse().unwrap()
+        );
+    }
+}

@@ -1,0 +1,1077 @@
+//! Configuration: a TOML file, overridden by environment variables, overridden by flags
+//! (CONTRACT.md section 2). Parsed and validated once in `main`, then passed down by value;
+//! nothing below `main` reads the environment.
+//!
+//! Only the settings that the implemented commands use live here; each later subsystem adds
+//! its section (with its bounds checked in [`Config::validate`]).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use flashsale_io::log::LogConfig;
+
+use crate::app::stack::StackEnv;
+
+/// The stack directory used when none is given (CONTRACT.md section 1).
+pub const DEFAULT_STACK_DIR: &str = "var/stack";
+/// The configuration file read when `--config` is absent and it exists.
+pub const DEFAULT_CONFIG_FILE: &str = "flashsale.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid {name}: {message}")]
+    Invalid { name: &'static str, message: String },
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// `redis://h:p[,h:p...]`: one standalone server, or seeds of a cluster.
+    pub redis_url: String,
+    /// `FLASHSALE_REDIS_MIN_REPLICA_ACKS` over `[redis] min_replica_acks` over `auto` (1 when
+    /// every master serving the SKUs has a replica, else 0 with a start-up warning).
+    pub redis_min_replica_acks: flashsale_io::redis::router::MinReplicaAcks,
+    pub pg_url: String,
+    pub nats_url: String,
+    pub http_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    /// Number of glommio shards (`FLASHSALE_SHARDS`, default: available cores).
+    pub shards: usize,
+    /// `kid:hexkey,...` as given; parsed and checked by `auth::PassKeys::parse` in `main`.
+    pub pass_keys: Option<String>,
+    pub admin_token: Option<String>,
+    pub control_key: Option<String>,
+    /// `FLASHSALE_PAYMENT_KEY` (hex) as given; parsed by `shard::orders::PaymentKey::from_hex`
+    /// in `main`. None: payment callbacks are refused.
+    pub payment_key: Option<String>,
+    /// `decide_submit`'s budgets (`[admission]`, validated).
+    pub admission: crate::logic::admission::Budgets,
+    /// Where accepted mode snapshots persist (`FLASHSALE_MODE_STATE_FILE`, default
+    /// `var/modes.json`).
+    pub mode_state_file: PathBuf,
+    /// Hot SKUs pinned to shards (`[engine] pins = ["10001:20001=1"]`).
+    pub pins: Vec<(crate::logic::router::SkuKey, usize)>,
+    /// `FLASHSALE_INSTANCE_ID` over `[engine] instance_id`, validated
+    /// (`logic::ids::InstanceId::parse`); None: 8 random hex digits drawn at start.
+    pub instance_id: Option<crate::logic::ids::InstanceId>,
+    /// The log client's configuration, built once here and handed to `serve` (durable side and
+    /// worker) and `worker` by value: `url` = `nats_url`, `replicas` from `[log] replicas` /
+    /// `FLASHSALE_LOG_REPLICAS` (default 1; every stream and the mode bucket; an existing
+    /// stream is never lowered), the rest `LogConfig::default()`.
+    pub log: LogConfig,
+    /// The order-writer's sizing (`[worker]`, `FLASHSALE_PG_CORES`), validated; applied to a
+    /// worker configuration with [`WorkerSettings::apply`].
+    pub worker: WorkerSettings,
+    /// The edge's `[http]` settings beyond `addr` (validated; unset fields keep the defaults).
+    pub http: HttpSettings,
+    /// `[payments]`: the provider the closer asks before closing an order (validated).
+    pub payments: PaymentsSettings,
+}
+
+/// `[payments]`: the payment provider's status endpoint, which the worker's closer asks (a
+/// request signed with `FLASHSALE_PAYMENT_KEY`, see `flashsale_pg_worker::provider`) before it
+/// closes an order that got no callback. Without `status_url` the closer closes unverified
+/// (and says so at start). Unset numbers keep `ProviderConfig::new`'s defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PaymentsSettings {
+    /// `FLASHSALE_PAYMENT_STATUS_URL` over `[payments] status_url`: `http://host[:port][/path]`
+    /// (plain HTTP to a loopback or private-network endpoint). Requires the payment key.
+    pub status_url: Option<String>,
+    /// `[payments] status_timeout_ms`: deadline of one attempt.
+    pub timeout_ms: Option<u64>,
+    /// `[payments] status_attempts`: attempts per ask (1..=5).
+    pub attempts: Option<u32>,
+    /// `[payments] backoff_min_ms` / `backoff_max_ms`: asking again about an unknown order.
+    pub backoff_min_ms: Option<u64>,
+    pub backoff_max_ms: Option<u64>,
+}
+
+impl PaymentsSettings {
+    /// The provider's configuration with `key` (None without a `status_url`).
+    pub fn provider(
+        &self,
+        key: &crate::logic::key::HmacKey,
+    ) -> Option<flashsale_pg_worker::provider::ProviderConfig> {
+        let url = self.status_url.as_ref()?;
+        let mut config = flashsale_pg_worker::provider::ProviderConfig::new(url, key.clone());
+        if let Some(v) = self.timeout_ms {
+            config.timeout_ms = v;
+        }
+        if let Some(v) = self.attempts {
+            config.attempts = v;
+        }
+        if let Some(v) = self.backoff_min_ms {
+            config.backoff_min_ms = v;
+        }
+        if let Some(v) = self.backoff_max_ms {
+            config.backoff_max_ms = v;
+        }
+        Some(config)
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PaymentsSection {
+    status_url: Option<String>,
+    status_timeout_ms: Option<u64>,
+    status_attempts: Option<u32>,
+    backoff_min_ms: Option<u64>,
+    backoff_max_ms: Option<u64>,
+}
+
+/// `[payments]` and `FLASHSALE_PAYMENT_STATUS_URL`, checked with the provider's own validation
+/// (a status URL needs a valid payment key to sign with).
+fn payments_settings(
+    section: PaymentsSection,
+    env: &Env,
+    payment_key: Option<&str>,
+) -> Result<PaymentsSettings, ConfigError> {
+    let invalid = |message: String| ConfigError::Invalid { name: "[payments]", message };
+    let status_url = env
+        .get("FLASHSALE_PAYMENT_STATUS_URL")
+        .cloned()
+        .or(section.status_url)
+        .map(|u| u.trim().to_owned())
+        .filter(|u| !u.is_empty());
+    let settings = PaymentsSettings {
+        status_url,
+        timeout_ms: section.status_timeout_ms,
+        attempts: section.status_attempts,
+        backoff_min_ms: section.backoff_min_ms,
+        backoff_max_ms: section.backoff_max_ms,
+    };
+    if settings.status_url.is_some() {
+        let hex = payment_key.ok_or_else(|| {
+            invalid("FLASHSALE_PAYMENT_STATUS_URL needs FLASHSALE_PAYMENT_KEY to sign with".into())
+        })?;
+        let key = crate::logic::key::HmacKey::from_hex(hex)
+            .map_err(|e| invalid(format!("FLASHSALE_PAYMENT_KEY: {e}")))?;
+        if let Some(provider) = settings.provider(&key) {
+            provider.validate().map_err(|e| invalid(e.to_string()))?;
+        }
+    }
+    Ok(settings)
+}
+
+/// The order-writer settings an operator sizes for the deployment (`[worker]` in the TOML,
+/// `FLASHSALE_PG_CORES`). Unset fields keep `flashsale_pg_worker::worker::WorkerConfig`'s
+/// defaults, which were measured with `benches/benches/order_pipeline.rs`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerSettings {
+    /// Cores of the PostgreSQL primary: two order writers each (`[worker] pg_cores`,
+    /// `FLASHSALE_PG_CORES`; default: this machine's cores, right when PostgreSQL runs beside
+    /// the worker).
+    pub pg_cores: usize,
+    /// Explicit writer count (`[worker] order_writers`), overriding `pg_cores`.
+    pub order_writers: Option<usize>,
+    /// `[worker] order_path`: `"set"` (default) or `"per_message"`.
+    pub order_path: Option<flashsale_pg_worker::OrderPath>,
+    /// `[worker] fetch_min` / `fetch_max`: the adaptive batch's floor and bound (messages).
+    pub fetch_min: Option<usize>,
+    pub fetch_max: Option<usize>,
+    /// `[worker] batch_max`: messages per transaction on the per-message path (1..=64).
+    pub batch_max: Option<usize>,
+}
+
+impl WorkerSettings {
+    /// Applies the settings to `worker` and grows its pool to hold every writer, the outbox
+    /// publishers and the lag task (the pool is this process's connection budget: one each).
+    pub fn apply(&self, worker: &mut flashsale_pg_worker::worker::WorkerConfig) {
+        worker.order_writers = self.order_writers.unwrap_or_else(|| {
+            flashsale_pg_worker::worker::order_writers_for_pg_cores(self.pg_cores)
+        });
+        if let Some(path) = self.order_path {
+            worker.order_path = path;
+        }
+        if let Some(v) = self.fetch_min {
+            worker.fetch_min = v;
+        }
+        if let Some(v) = self.fetch_max {
+            worker.fetch_max = v;
+        }
+        if let Some(v) = self.batch_max {
+            worker.batch_max = v;
+        }
+        let needed = worker.order_writers + worker.outbox_publishers + 1;
+        worker.pg.pool_size = worker.pg.pool_size.max(needed);
+    }
+}
+
+/// `[http]`: connection bounds, deadlines, the public health path and the trusted PROXY
+/// protocol sources. `None`: keep `serve::default_edge_config`'s value.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HttpSettings {
+    /// `FLASHSALE_PROXY_PROTOCOL_FROM` / `proxy_protocol_from`: comma-separated CIDRs.
+    pub proxy_protocol_from: crate::http::proxy::TrustedSources,
+    /// e.g. `/healthz`: 200 when ready, 503 while draining, on the public port.
+    pub health_path: Option<String>,
+    pub connections_per_shard_max: Option<usize>,
+    pub connections_per_address_max: Option<usize>,
+    pub header_read_timeout_ms: Option<u64>,
+    pub body_read_timeout_ms: Option<u64>,
+    pub write_timeout_ms: Option<u64>,
+    pub idle_timeout_ms: Option<u64>,
+}
+
+impl HttpSettings {
+    /// Puts the settings into the edge's configuration (called by `main` on the defaults).
+    pub fn apply(&self, edge: &mut crate::shard::EdgeConfig) {
+        edge.proxy_protocol_from = self.proxy_protocol_from.clone();
+        edge.health_path = self.health_path.clone();
+        let sizes = [
+            (self.connections_per_shard_max, &mut edge.connections_per_shard_max),
+            (self.connections_per_address_max, &mut edge.connections_per_address_max),
+        ];
+        for (value, field) in sizes {
+            if let Some(value) = value {
+                *field = value;
+            }
+        }
+        let times = [
+            (self.header_read_timeout_ms, &mut edge.header_read_timeout_ms),
+            (self.body_read_timeout_ms, &mut edge.body_read_timeout_ms),
+            (self.write_timeout_ms, &mut edge.write_timeout_ms),
+            (self.idle_timeout_ms, &mut edge.idle_timeout_ms),
+        ];
+        for (value, field) in times {
+            if let Some(value) = value {
+                *field = value;
+            }
+        }
+        edge.connections_per_address_max =
+            edge.connections_per_address_max.min(edge.connections_per_shard_max);
+    }
+}
+
+/// Longest deadline `[http]` accepts: an hour is already far past any client's patience.
+const HTTP_TIMEOUT_MS_MAX: u64 = 3_600_000;
+/// Longest public health path.
+const HEALTH_PATH_BYTES_MAX: usize = 64;
+
+/// The TOML file's shape. Every field optional: the file only overrides defaults.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    redis: Option<RedisSection>,
+    pg: Option<UrlSection>,
+    nats: Option<UrlSection>,
+    http: Option<HttpSection>,
+    admin: Option<AdminSection>,
+    engine: Option<EngineSection>,
+    auth: Option<AuthSection>,
+    admission: Option<AdmissionSection>,
+    log: Option<LogSection>,
+    worker: Option<WorkerSection>,
+    payments: Option<PaymentsSection>,
+}
+
+/// `[log]`: the replicated log's placement (the NATS URL itself is `[nats] url`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LogSection {
+    replicas: Option<usize>,
+}
+
+/// `[worker]`: see [`WorkerSettings`].
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkerSection {
+    pg_cores: Option<usize>,
+    order_writers: Option<usize>,
+    order_path: Option<String>,
+    fetch_min: Option<usize>,
+    fetch_max: Option<usize>,
+    batch_max: Option<usize>,
+}
+
+/// `[admission]`: `decide_submit`'s budgets (defaults derived from the 3 s order SLO in
+/// `admission.rs`; override them knowingly, e.g. with the deployment's measured drain rate).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdmissionSection {
+    oldest_pending_age_max_ms: Option<u64>,
+    pending_count_max: Option<u64>,
+    backlog_sample_age_max_ms: Option<u64>,
+    pg_outage_age_max_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdminSection {
+    addr: Option<String>,
+    token: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EngineSection {
+    shards: Option<usize>,
+    /// `"activity:sku=shard"` entries pinning hot SKUs to shards.
+    pins: Option<Vec<String>>,
+    instance_id: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuthSection {
+    pass_keys: Option<String>,
+    control_key: Option<String>,
+    payment_key: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UrlSection {
+    url: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RedisSection {
+    url: Option<String>,
+    /// A number or `"auto"`.
+    min_replica_acks: Option<String>,
+}
+
+/// `[http]`: the public listener and its connections (see [`HttpSettings`]).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HttpSection {
+    addr: Option<String>,
+    health_path: Option<String>,
+    proxy_protocol_from: Option<String>,
+    connections_per_shard_max: Option<usize>,
+    connections_per_address_max: Option<usize>,
+    header_read_timeout_ms: Option<u64>,
+    body_read_timeout_ms: Option<u64>,
+    write_timeout_ms: Option<u64>,
+    idle_timeout_ms: Option<u64>,
+}
+
+/// Flag values (highest precedence); `None` = not given.
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub redis_url: Option<String>,
+    pub pg_url: Option<String>,
+    pub nats_url: Option<String>,
+    pub http_addr: Option<String>,
+    pub admin_addr: Option<String>,
+    pub shards: Option<usize>,
+}
+
+/// Where the environment comes from: the process environment in `main`, a map in tests.
+pub type Env = BTreeMap<String, String>;
+
+pub fn process_env() -> Env {
+    std::env::vars().filter(|(k, _)| k.starts_with("FLASHSALE_")).collect()
+}
+
+impl Config {
+    /// TOML (explicit path, else `flashsale.toml` if present) < env < flags. URL defaults
+    /// come from the stack's env file (`var/stack/env`) when a stack was started here.
+    pub fn load(
+        config_path: Option<&Path>,
+        env: &Env,
+        flags: &Overrides,
+        stack_dir: &Path,
+    ) -> Result<Config, ConfigError> {
+        let file = match config_path {
+            Some(path) => read_file(path)?,
+            None => read_default_file()?,
+        };
+        let stack = StackEnv::read(stack_dir);
+        let pick = |flag: &Option<String>, var: &str, file: Option<String>, default: String| {
+            flag.clone().or_else(|| env.get(var).cloned()).or(file).unwrap_or(default)
+        };
+        let (file_redis_url, file_acks) =
+            file.redis.map_or((None, None), |s| (s.url, s.min_replica_acks));
+        let redis_min_replica_acks = min_replica_acks(env, file_acks)?;
+        let redis_url = pick(
+            &flags.redis_url,
+            "FLASHSALE_REDIS_URL",
+            file_redis_url,
+            stack.as_ref().map_or("redis://127.0.0.1:6379".into(), |s| s.redis_url.clone()),
+        );
+        let pg_url = pick(
+            &flags.pg_url,
+            "FLASHSALE_PG_URL",
+            file.pg.and_then(|s| s.url),
+            stack
+                .as_ref()
+                .map_or("postgres://postgres@127.0.0.1:5432/postgres".into(), |s| s.pg_url.clone()),
+        );
+        let nats_url = pick(
+            &flags.nats_url,
+            "FLASHSALE_NATS_URL",
+            file.nats.and_then(|s| s.url),
+            stack.as_ref().map_or("nats://127.0.0.1:4222".into(), |s| s.nats_url.clone()),
+        );
+        let mut http_section = file.http.unwrap_or_default();
+        let http_addr = pick(
+            &flags.http_addr,
+            "FLASHSALE_HTTP_ADDR",
+            http_section.addr.take(),
+            "0.0.0.0:8080".into(),
+        );
+        let (admin_file_addr, admin_file_token) =
+            file.admin.map_or((None, None), |s| (s.addr, s.token));
+        let admin_addr = pick(
+            &flags.admin_addr,
+            "FLASHSALE_ADMIN_ADDR",
+            admin_file_addr,
+            "127.0.0.1:9090".into(),
+        );
+        let (file_keys, file_control, file_payment) =
+            file.auth.map_or((None, None, None), |s| (s.pass_keys, s.control_key, s.payment_key));
+        let optional = |var: &str, file: Option<String>| {
+            env.get(var).cloned().or(file).filter(|v| !v.trim().is_empty())
+        };
+        let admission = admission_budgets(file.admission.unwrap_or_default())?;
+        let worker = worker_settings(file.worker.unwrap_or_default(), env)?;
+        let proxy_from = env
+            .get("FLASHSALE_PROXY_PROTOCOL_FROM")
+            .cloned()
+            .or(http_section.proxy_protocol_from.take());
+        let http = http_settings(http_section, proxy_from.as_deref())?;
+        let pins = parse_pins(file.engine.as_ref().and_then(|e| e.pins.as_deref()).unwrap_or(&[]))?;
+        let file_shards = file.engine.as_ref().and_then(|e| e.shards);
+        let instance_id =
+            instance_id(env, file.engine.as_ref().and_then(|e| e.instance_id.clone()))?;
+        let shards = shard_count(flags.shards, env, file_shards)?;
+        let nats_url = check_scheme("FLASHSALE_NATS_URL", nats_url, &["nats://"])?;
+        let log = log_config(env, file.log.unwrap_or_default(), &nats_url)?;
+        let payment_key = optional("FLASHSALE_PAYMENT_KEY", file_payment);
+        let payments =
+            payments_settings(file.payments.unwrap_or_default(), env, payment_key.as_deref())?;
+        Ok(Config {
+            redis_url: check_redis_url(redis_url)?,
+            redis_min_replica_acks,
+            pg_url: check_pg_url(pg_url)?,
+            nats_url,
+            http_addr: parse_addr("FLASHSALE_HTTP_ADDR", &http_addr)?,
+            admin_addr: parse_addr("FLASHSALE_ADMIN_ADDR", &admin_addr)?,
+            shards,
+            pass_keys: optional("FLASHSALE_PASS_KEYS", file_keys),
+            admin_token: optional("FLASHSALE_ADMIN_TOKEN", admin_file_token),
+            control_key: optional("FLASHSALE_CONTROL_KEY", file_control),
+            payment_key,
+            admission,
+            mode_state_file: optional("FLASHSALE_MODE_STATE_FILE", None)
+                .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from),
+            pins,
+            instance_id,
+            log,
+            worker,
+            http,
+            payments,
+        })
+    }
+}
+
+/// `flashsale.toml` in the working directory when it exists, else an empty file.
+fn read_default_file() -> Result<FileConfig, ConfigError> {
+    let path = Path::new(DEFAULT_CONFIG_FILE);
+    if path.is_file() {
+        read_file(path)
+    } else {
+        Ok(FileConfig::default())
+    }
+}
+
+/// `FLASHSALE_REDIS_URL` must read as `redis://host:port[,host:port...][/db]` (names are
+/// resolved when the engine starts, `serve::edge_config`, not here).
+fn check_redis_url(url: String) -> Result<String, ConfigError> {
+    let invalid = |why: &str| ConfigError::Invalid {
+        name: "FLASHSALE_REDIS_URL",
+        message: format!("{url:?}: {why} (expected redis://host:port[,host:port...])"),
+    };
+    let rest = url.trim().strip_prefix("redis://").ok_or_else(|| invalid("no redis:// scheme"))?;
+    for seed in rest.split(',') {
+        let seed = seed.trim();
+        let seed = seed.strip_prefix("redis://").unwrap_or(seed);
+        let host_port = seed.split('/').next().unwrap_or(seed);
+        if host_port.contains('@') {
+            return Err(invalid("credentials are not supported"));
+        }
+        match host_port.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+            _ => return Err(invalid("a seed without host:port")),
+        }
+    }
+    Ok(url)
+}
+
+/// `FLASHSALE_INSTANCE_ID` over `[engine] instance_id` (None: drawn at start).
+fn instance_id(
+    env: &Env,
+    file: Option<String>,
+) -> Result<Option<crate::logic::ids::InstanceId>, ConfigError> {
+    let text = env.get("FLASHSALE_INSTANCE_ID").cloned().or(file);
+    let text = text.filter(|t| !t.trim().is_empty());
+    text.map(|t| crate::logic::ids::InstanceId::parse(t.trim()))
+        .transpose()
+        .map_err(|message| ConfigError::Invalid { name: "FLASHSALE_INSTANCE_ID", message })
+}
+
+/// `FLASHSALE_REDIS_MIN_REPLICA_ACKS` over `[redis] min_replica_acks` over `auto`.
+fn min_replica_acks(
+    env: &Env,
+    file: Option<String>,
+) -> Result<flashsale_io::redis::router::MinReplicaAcks, ConfigError> {
+    use flashsale_io::redis::router::MinReplicaAcks;
+    match env.get("FLASHSALE_REDIS_MIN_REPLICA_ACKS").cloned().or(file) {
+        None => Ok(MinReplicaAcks::Auto),
+        Some(text) => MinReplicaAcks::parse(&text).map_err(|message| ConfigError::Invalid {
+            name: "FLASHSALE_REDIS_MIN_REPLICA_ACKS",
+            message,
+        }),
+    }
+}
+
+/// `--shards` over `FLASHSALE_SHARDS` over `[engine] shards` over the available cores, within
+/// 1..=`SHARDS_MAX`.
+fn shard_count(flag: Option<usize>, env: &Env, file: Option<usize>) -> Result<usize, ConfigError> {
+    let invalid = |message: String| ConfigError::Invalid { name: "FLASHSALE_SHARDS", message };
+    let shards = match flag {
+        Some(n) => n,
+        None => match env.get("FLASHSALE_SHARDS") {
+            Some(text) => {
+                text.trim().parse().map_err(|_| invalid(format!("{text:?} is not a number")))?
+            }
+            None => {
+                file.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            }
+        },
+    };
+    let max = crate::logic::router::SHARDS_MAX;
+    if shards == 0 || shards > max {
+        return Err(invalid(format!("{shards} must be between 1 and {max}")));
+    }
+    Ok(shards)
+}
+
+/// The log config: `FLASHSALE_LOG_REPLICAS` over `[log] replicas` over 1, validated with the
+/// rest of `LogConfig` (replicas within 1..=5).
+fn log_config(env: &Env, section: LogSection, nats_url: &str) -> Result<LogConfig, ConfigError> {
+    let invalid =
+        |message: String| ConfigError::Invalid { name: "FLASHSALE_LOG_REPLICAS", message };
+    let replicas = match env.get("FLASHSALE_LOG_REPLICAS") {
+        Some(text) => {
+            text.trim().parse().map_err(|_| invalid(format!("{text:?} is not a number")))?
+        }
+        None => section.replicas.unwrap_or(1),
+    };
+    let log = LogConfig { url: nats_url.to_owned(), replicas, ..LogConfig::default() };
+    log.validate().map_err(|e| invalid(format!("[log] replicas = {replicas}: {e}")))?;
+    Ok(log)
+}
+
+fn admission_budgets(
+    section: AdmissionSection,
+) -> Result<crate::logic::admission::Budgets, ConfigError> {
+    let mut budgets = crate::logic::admission::Budgets::default();
+    let fields = [
+        (section.oldest_pending_age_max_ms, &mut budgets.oldest_pending_age_max_ms),
+        (section.pending_count_max, &mut budgets.pending_count_max),
+        (section.backlog_sample_age_max_ms, &mut budgets.backlog_sample_age_max_ms),
+        (section.pg_outage_age_max_ms, &mut budgets.pg_outage_age_max_ms),
+    ];
+    for (value, field) in fields {
+        if let Some(value) = value {
+            *field = value;
+        }
+    }
+    budgets.validate().map_err(|message| ConfigError::Invalid { name: "[admission]", message })?;
+    Ok(budgets)
+}
+
+fn worker_settings(section: WorkerSection, env: &Env) -> Result<WorkerSettings, ConfigError> {
+    let invalid = |name: &'static str, message: String| ConfigError::Invalid { name, message };
+    let pg_cores = match env.get("FLASHSALE_PG_CORES") {
+        Some(text) => text
+            .trim()
+            .parse()
+            .map_err(|_| invalid("FLASHSALE_PG_CORES", format!("{text:?} is not a number")))?,
+        None => section
+            .pg_cores
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+    };
+    if pg_cores == 0 {
+        return Err(invalid("FLASHSALE_PG_CORES", "must be at least 1".into()));
+    }
+    let order_path = match section.order_path.as_deref() {
+        None => None,
+        Some("set") => Some(flashsale_pg_worker::OrderPath::SetBased),
+        Some("per_message") => Some(flashsale_pg_worker::OrderPath::PerMessage),
+        Some(other) => {
+            return Err(invalid(
+                "[worker] order_path",
+                format!("{other:?} is not \"set\" or \"per_message\""),
+            ))
+        }
+    };
+    let settings = WorkerSettings {
+        pg_cores,
+        order_writers: section.order_writers,
+        order_path,
+        fetch_min: section.fetch_min,
+        fetch_max: section.fetch_max,
+        batch_max: section.batch_max,
+    };
+    // The worker's own validation names the knob that is out of bounds.
+    let mut worker = flashsale_pg_worker::worker::WorkerConfig::default();
+    settings.apply(&mut worker);
+    worker.validate().map_err(|e| invalid("[worker]", e.to_string()))?;
+    Ok(settings)
+}
+
+fn http_settings(
+    section: HttpSection,
+    proxy_from: Option<&str>,
+) -> Result<HttpSettings, ConfigError> {
+    let invalid = |name: &'static str, message: String| ConfigError::Invalid { name, message };
+    let proxy_protocol_from = crate::http::proxy::TrustedSources::parse(proxy_from.unwrap_or(""))
+        .map_err(|m| invalid("FLASHSALE_PROXY_PROTOCOL_FROM", m))?;
+    if let Some(path) = &section.health_path {
+        let well_formed = path.starts_with('/')
+            && path.len() <= HEALTH_PATH_BYTES_MAX
+            && path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/-_.".contains(&b))
+            && !path.starts_with("/v1/");
+        if !well_formed {
+            return Err(invalid(
+                "[http] health_path",
+                format!(
+                    "{path:?} must start with /, use only [A-Za-z0-9/-_.], be at most \
+                     {HEALTH_PATH_BYTES_MAX} bytes and stay out of /v1/"
+                ),
+            ));
+        }
+    }
+    let times = [
+        ("[http] header_read_timeout_ms", section.header_read_timeout_ms),
+        ("[http] body_read_timeout_ms", section.body_read_timeout_ms),
+        ("[http] write_timeout_ms", section.write_timeout_ms),
+        ("[http] idle_timeout_ms", section.idle_timeout_ms),
+    ];
+    for (name, value) in times {
+        if value.is_some_and(|ms| ms == 0 || ms > HTTP_TIMEOUT_MS_MAX) {
+            return Err(invalid(name, format!("must be 1..={HTTP_TIMEOUT_MS_MAX}")));
+        }
+    }
+    for (name, value) in [
+        ("[http] connections_per_shard_max", section.connections_per_shard_max),
+        ("[http] connections_per_address_max", section.connections_per_address_max),
+    ] {
+        if value == Some(0) {
+            return Err(invalid(name, "must be at least 1".to_owned()));
+        }
+    }
+    if let (Some(per_address), Some(per_shard)) =
+        (section.connections_per_address_max, section.connections_per_shard_max)
+    {
+        if per_address > per_shard {
+            return Err(invalid(
+                "[http] connections_per_address_max",
+                format!("{per_address} exceeds connections_per_shard_max {per_shard}"),
+            ));
+        }
+    }
+    Ok(HttpSettings {
+        proxy_protocol_from,
+        health_path: section.health_path,
+        connections_per_shard_max: section.connections_per_shard_max,
+        connections_per_address_max: section.connections_per_address_max,
+        header_read_timeout_ms: section.header_read_timeout_ms,
+        body_read_timeout_ms: section.body_read_timeout_ms,
+        write_timeout_ms: section.write_timeout_ms,
+        idle_timeout_ms: section.idle_timeout_ms,
+    })
+}
+
+fn parse_pins(
+    entries: &[String],
+) -> Result<Vec<(crate::logic::router::SkuKey, usize)>, ConfigError> {
+    entries
+        .iter()
+        .map(|entry| {
+            let parsed = entry.split_once('=').and_then(|(sku, shard)| {
+                let (a, s) = sku.split_once(':')?;
+                Some((
+                    crate::logic::router::SkuKey::new(
+                        a.trim().parse().ok()?,
+                        s.trim().parse().ok()?,
+                    ),
+                    shard.trim().parse().ok()?,
+                ))
+            });
+            parsed.ok_or_else(|| ConfigError::Invalid {
+                name: "[engine] pins",
+                message: format!("{entry:?} is not \"activity:sku=shard\""),
+            })
+        })
+        .collect()
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    toml::from_str(&text)
+        .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.to_string() })
+}
+
+fn check_scheme(
+    name: &'static str,
+    value: String,
+    schemes: &[&str],
+) -> Result<String, ConfigError> {
+    // Comma-separated seeds (cluster) are allowed; each must carry the scheme.
+    let ok = value.split(',').all(|part| schemes.iter().any(|s| part.trim().starts_with(s)));
+    if ok && !value.trim().is_empty() {
+        Ok(value)
+    } else {
+        Err(ConfigError::Invalid {
+            name,
+            message: format!("{value:?} must start with {}", schemes.join(" or ")),
+        })
+    }
+}
+
+/// `FLASHSALE_PG_URL`: a libpq-style connection string in either form tokio-postgres (and
+/// libpq) read: the URL (`postgres://u@h1:5432,h2:5433/db?target_session_attrs=read-write`,
+/// several hosts separated by commas INSIDE one URL, so the value must not be split on
+/// commas) or `key=value` pairs (`host=h1,h2 port=5432,5433 user=u dbname=db`). Several hosts
+/// require `target_session_attrs=read-write`: otherwise a standby listed first would be handed
+/// the writes.
+fn check_pg_url(value: String) -> Result<String, ConfigError> {
+    let invalid = |message: String| ConfigError::Invalid { name: "FLASHSALE_PG_URL", message };
+    let parsed: tokio_postgres::Config = value.parse().map_err(|e| {
+        invalid(format!(
+            "{value:?} is neither a postgres:// URL nor a key=value connection string ({e})"
+        ))
+    })?;
+    let hosts = parsed.get_hosts().len().max(parsed.get_hostaddrs().len());
+    if hosts == 0 {
+        return Err(invalid(format!("{value:?} names no host")));
+    }
+    if hosts > 1
+        && parsed.get_target_session_attrs()
+            != tokio_postgres::config::TargetSessionAttrs::ReadWrite
+    {
+        return Err(invalid(format!(
+            "{value:?} lists {hosts} hosts without target_session_attrs=read-write (a standby \
+             listed first would be handed the writes)"
+        )));
+    }
+    Ok(value)
+}
+
+fn parse_addr(name: &'static str, value: &str) -> Result<SocketAddr, ConfigError> {
+    value.parse().map_err(|e| ConfigError::Invalid {
+        name,
+        message: format!("{value:?} is not host:port ({e})"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Env {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn precedence_is_file_then_env_then_flags() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        std::fs::write(
+            &path,
+            "[redis]\nurl = \"redis://file:1\"\n[pg]\nurl = \"postgres://file/db\"\n",
+        )
+        .expect("write");
+        let e = env(&[("FLASHSALE_PG_URL", "postgres://env/db")]);
+        let flags = Overrides { redis_url: Some("redis://flag:3".into()), ..Default::default() };
+        let c = Config::load(Some(&path), &e, &flags, dir.path()).expect("config");
+        assert_eq!(c.redis_url, "redis://flag:3");
+        assert_eq!(c.pg_url, "postgres://env/db");
+        assert_eq!(c.nats_url, "nats://127.0.0.1:4222");
+    }
+
+    #[test]
+    fn redis_seeds_and_replica_acks() {
+        use flashsale_io::redis::router::MinReplicaAcks;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        let toml = "[redis]\nurl = \"redis://a:1,b:2\"\nmin_replica_acks = \"2\"\n";
+        std::fs::write(&path, toml).expect("write");
+        let none = Overrides::default();
+        let c = Config::load(Some(&path), &Env::new(), &none, dir.path()).expect("config");
+        assert_eq!(
+            (c.redis_url.as_str(), c.redis_min_replica_acks),
+            ("redis://a:1,b:2", MinReplicaAcks::Exactly(2))
+        );
+        let e = env(&[("FLASHSALE_REDIS_MIN_REPLICA_ACKS", "auto")]);
+        let c = Config::load(Some(&path), &e, &none, dir.path()).expect("config");
+        assert_eq!(c.redis_min_replica_acks, MinReplicaAcks::Auto);
+        for bad in ["x", "17", "-1"] {
+            let e = env(&[("FLASHSALE_REDIS_MIN_REPLICA_ACKS", bad)]);
+            let err = Config::load(Some(&path), &e, &none, dir.path()).unwrap_err();
+            assert!(err.to_string().contains("FLASHSALE_REDIS_MIN_REPLICA_ACKS"), "{err}");
+        }
+        for bad in ["http://a:1", "redis://a", "redis://u:p@a:1", "redis://a:1,"] {
+            let e = env(&[("FLASHSALE_REDIS_URL", bad)]);
+            assert!(Config::load(None, &e, &none, dir.path()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn stack_env_file_supplies_defaults() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let stack = StackEnv {
+            redis_url: "redis://127.0.0.1:1111".into(),
+            pg_url: "postgres://postgres@127.0.0.1:2222/postgres".into(),
+            nats_url: "nats://127.0.0.1:3333".into(),
+        };
+        std::fs::write(dir.path().join("env"), stack.render()).expect("write");
+        let c = Config::load(None, &Env::new(), &Overrides::default(), dir.path()).expect("config");
+        assert_eq!(c.redis_url, stack.redis_url);
+        assert_eq!(c.pg_url, stack.pg_url);
+        assert_eq!(c.nats_url, stack.nats_url);
+    }
+
+    #[test]
+    fn pins_parse_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.toml");
+        std::fs::write(&path, "[engine]\nshards = 2\npins = [\"10001:20001=1\"]\n").expect("w");
+        let c =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        assert_eq!(c.shards, 2);
+        assert_eq!(c.pins, vec![(crate::logic::router::SkuKey::new(10001, 20001), 1)]);
+        std::fs::write(&path, "[engine]\npins = [\"10001-20001\"]\n").expect("w");
+        let err =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("pins"), "{err}");
+        let e = env(&[("FLASHSALE_SHARDS", "0")]);
+        let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_SHARDS"), "{err}");
+    }
+
+    #[test]
+    fn instance_id_comes_from_env_over_file_and_is_validated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let none = Overrides::default();
+        let c = Config::load(None, &Env::new(), &none, dir.path()).expect("c");
+        assert_eq!(c.instance_id, None, "drawn at start when unset");
+        let path = dir.path().join("i.toml");
+        std::fs::write(&path, "[engine]\ninstance_id = \"edge-a\"\n").expect("w");
+        let c = Config::load(Some(&path), &Env::new(), &none, dir.path()).expect("c");
+        assert_eq!(c.instance_id.map(|i| i.to_string()).as_deref(), Some("edge-a"));
+        let e = env(&[("FLASHSALE_INSTANCE_ID", "edge-b")]);
+        let c = Config::load(Some(&path), &e, &none, dir.path()).expect("c");
+        assert_eq!(c.instance_id.map(|i| i.to_string()).as_deref(), Some("edge-b"));
+        let e = env(&[("FLASHSALE_INSTANCE_ID", "edge b")]);
+        let err = Config::load(None, &e, &none, dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_INSTANCE_ID"), "{err}");
+    }
+
+    #[test]
+    fn admission_budgets_come_from_the_file_and_are_validated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.toml");
+        std::fs::write(&path, "[admission]\npending_count_max = 20000\n").expect("w");
+        let c =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        assert_eq!(c.admission.pending_count_max, 20_000);
+        assert_eq!(
+            c.admission.oldest_pending_age_max_ms,
+            crate::logic::admission::Budgets::default().oldest_pending_age_max_ms
+        );
+        std::fs::write(&path, "[admission]\npg_outage_age_max_ms = 0\n").expect("w");
+        let err =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("[admission]"), "{err}");
+    }
+
+    #[test]
+    fn log_replicas_come_from_env_over_file_and_are_validated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let c = Config::load(None, &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        assert_eq!(c.log.replicas, 1, "default");
+        assert_eq!(c.log.url, c.nats_url);
+        let path = dir.path().join("l.toml");
+        std::fs::write(&path, "[nats]\nurl = \"nats://a:1,nats://b:2\"\n[log]\nreplicas = 3\n")
+            .expect("w");
+        let c =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        assert_eq!((c.log.replicas, c.log.url.as_str()), (3, "nats://a:1,nats://b:2"));
+        let e = env(&[("FLASHSALE_LOG_REPLICAS", "5")]);
+        let c = Config::load(Some(&path), &e, &Overrides::default(), dir.path()).expect("c");
+        assert_eq!(c.log.replicas, 5, "env over file");
+        for bad in ["0", "7", "three"] {
+            let e = env(&[("FLASHSALE_LOG_REPLICAS", bad)]);
+            let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+            assert!(err.to_string().contains("FLASHSALE_LOG_REPLICAS"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn multi_host_and_key_value_pg_urls_are_accepted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for url in [
+            "postgres://postgres@127.0.0.1:5432,127.0.0.1:5433/postgres?target_session_attrs=read-write",
+            "postgresql://u@h1,h2,h3/db?target_session_attrs=read-write&connect_timeout=2",
+            "host=127.0.0.1,127.0.0.1 port=5432,5433 user=postgres dbname=postgres target_session_attrs=read-write",
+            "host=127.0.0.1 port=5432 user=postgres",
+            "postgres://postgres@127.0.0.1:5432/postgres",
+        ] {
+            let e = env(&[("FLASHSALE_PG_URL", url)]);
+            let c = Config::load(None, &e, &Overrides::default(), dir.path())
+                .unwrap_or_else(|err| panic!("{url}: {err}"));
+            assert_eq!(c.pg_url, url);
+        }
+        for url in [
+            "http://x",
+            "mysql://u@h/db",
+            "postgres://u@h1:1,h2:2/db",
+            "host=a,b user=u",
+            "dbname=x",
+        ] {
+            let e = env(&[("FLASHSALE_PG_URL", url)]);
+            let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+            assert!(err.to_string().contains("FLASHSALE_PG_URL"), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn worker_settings_size_the_writers_and_are_validated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("w.toml");
+        let load = |e: &Env| Config::load(Some(&path), e, &Overrides::default(), dir.path());
+        std::fs::write(&path, "[worker]\npg_cores = 4\nfetch_max = 256\n").expect("w");
+        let c = load(&Env::new()).expect("config");
+        let mut worker = flashsale_pg_worker::worker::WorkerConfig::default();
+        c.worker.apply(&mut worker);
+        let writers = flashsale_pg_worker::worker::order_writers_for_pg_cores(4);
+        assert_eq!((worker.order_writers, worker.fetch_max), (writers, 256));
+        assert!(worker.pg.pool_size > writers + worker.outbox_publishers, "writers + outbox + lag");
+        worker.validate().expect("applied settings are valid");
+        // The environment wins over the file; an explicit writer count over both.
+        let c = load(&env(&[("FLASHSALE_PG_CORES", "3")])).expect("config");
+        assert_eq!(c.worker.pg_cores, 3);
+        std::fs::write(&path, "[worker]\norder_writers = 1\norder_path = \"per_message\"\n")
+            .expect("w");
+        let c = load(&env(&[("FLASHSALE_PG_CORES", "3")])).expect("config");
+        let mut worker = flashsale_pg_worker::worker::WorkerConfig::default();
+        c.worker.apply(&mut worker);
+        assert_eq!(worker.order_writers, 1);
+        assert_eq!(worker.order_path, flashsale_pg_worker::OrderPath::PerMessage);
+        for (toml, needle) in [
+            ("[worker]\nfetch_max = 5000\n", "fetch_max"),
+            ("[worker]\nfetch_min = 0\n", "fetch_min"),
+            ("[worker]\nbatch_max = 65\n", "batch_max"),
+            ("[worker]\norder_path = \"rows\"\n", "order_path"),
+        ] {
+            std::fs::write(&path, toml).expect("w");
+            let err = load(&Env::new()).unwrap_err();
+            assert!(err.to_string().contains(needle), "{toml}: {err}");
+        }
+        let err = load(&env(&[("FLASHSALE_PG_CORES", "0")])).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_PG_CORES"), "{err}");
+    }
+
+    #[test]
+    fn payments_status_url_needs_the_key_and_is_validated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let load = |e: &Env| Config::load(None, e, &Overrides::default(), dir.path());
+        let key = ("FLASHSALE_PAYMENT_KEY", "00112233445566778899aabbccddeeff");
+        let url = ("FLASHSALE_PAYMENT_STATUS_URL", "http://127.0.0.1:8099/status");
+        assert_eq!(load(&Env::new()).expect("config").payments.status_url, None);
+        let c = load(&env(&[key, url])).expect("config");
+        assert_eq!(c.payments.status_url.as_deref(), Some("http://127.0.0.1:8099/status"));
+        let worker = crate::app::serve::worker_config(&c);
+        let provider = worker.closer.provider.expect("provider configured");
+        assert_eq!(provider.status_url, "http://127.0.0.1:8099/status");
+        assert_eq!(
+            crate::app::serve::worker_config(&load(&env(&[key])).expect("c")).closer.provider,
+            None
+        );
+        let err = load(&env(&[url])).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_PAYMENT_KEY"), "{err}");
+        let err = load(&env(&[key, ("FLASHSALE_PAYMENT_STATUS_URL", "https://p/")])).unwrap_err();
+        assert!(err.to_string().contains("https"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_clear_errors() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let e = env(&[("FLASHSALE_REDIS_URL", "http://x")]);
+        let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_REDIS_URL"), "{err}");
+        let e = env(&[("FLASHSALE_HTTP_ADDR", "nonsense")]);
+        let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_HTTP_ADDR"), "{err}");
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, "[redis]\nurll = \"x\"\n").expect("write");
+        let err =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn http_section_and_proxy_protocol_sources() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("h.toml");
+        std::fs::write(
+            &path,
+            "[http]\naddr = \"127.0.0.1:8081\"\nhealth_path = \"/healthz\"\n\
+             proxy_protocol_from = \"10.0.0.0/8\"\nconnections_per_address_max = 8\n\
+             header_read_timeout_ms = 2000\nwrite_timeout_ms = 3000\n",
+        )
+        .expect("w");
+        let c =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        assert_eq!(c.http_addr, "127.0.0.1:8081".parse().expect("addr"));
+        assert_eq!(c.http.health_path.as_deref(), Some("/healthz"));
+        assert!(c.http.proxy_protocol_from.contains("10.1.2.3".parse().expect("ip")));
+        let mut edge = crate::app::serve::default_edge_config("127.0.0.1:1".parse().expect("a"));
+        c.http.apply(&mut edge);
+        assert_eq!(edge.connections_per_address_max, 8);
+        assert_eq!(edge.header_read_timeout_ms, 2_000);
+        assert_eq!(edge.write_timeout_ms, 3_000);
+        assert_eq!(edge.body_read_timeout_ms, 5_000, "unset keeps the default");
+        assert_eq!(edge.health_path.as_deref(), Some("/healthz"));
+        // The environment variable overrides the file.
+        let e = env(&[("FLASHSALE_PROXY_PROTOCOL_FROM", "192.168.0.0/16, ::1")]);
+        let c = Config::load(Some(&path), &e, &Overrides::default(), dir.path()).expect("c");
+        assert!(!c.http.proxy_protocol_from.contains("10.1.2.3".parse().expect("ip")));
+        assert!(c.http.proxy_protocol_from.contains("::1".parse().expect("ip")));
+        // Bad values are named.
+        let e = env(&[("FLASHSALE_PROXY_PROTOCOL_FROM", "10.0.0.1/8")]);
+        let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_PROXY_PROTOCOL_FROM"), "{err}");
+        for (body, name) in [
+            ("health_path = \"healthz\"", "health_path"),
+            ("health_path = \"/v1/reservations\"", "health_path"),
+            ("write_timeout_ms = 0", "write_timeout_ms"),
+            ("connections_per_address_max = 0", "connections_per_address_max"),
+            (
+                "connections_per_shard_max = 4\nconnections_per_address_max = 5",
+                "connections_per_address_max",
+            ),
+        ] {
+            std::fs::write(&path, format!("[http]\n{body}\n")).expect("w");
+            let err = Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path())
+                .unwrap_err();
+            assert!(err.to_string().contains(name), "{body}: {err}");
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! Start-up and command-line glue: configuration, `flashsale serve` (which starts the durable
+//! side and the shards), host checks, the admin CLI and the private server stack. The top
+//! layer: it may import every other folder, and nothing imports it.
+
+pub mod admin_cli;
+pub mod config;
+pub mod cpu;
+pub mod demo;
+pub mod demo_cpu;
+pub mod serve;
+pub mod stack;
+pub mod startup;

@@ -1,0 +1,360 @@
+//! The durable side of `flashsale serve` (DESIGN.md section 3): a tokio runtime on its own
+//! threads holding the JetStream publisher and a small PostgreSQL pool for the edge's needs
+//! (query fallback, admin activity creation). The glommio shards reach it only through
+//! [`DurableHandle`]: a bounded queue (`try_send`, never blocking a shard) and a oneshot
+//! completion per request, awaited on the shard (a glommio task woken from a foreign thread,
+//! ~30 µs per round trip on this machine, FIELD-NOTES.md).
+//!
+//! It never talks to Redis: Redis writes belong to the owner shard of each SKU.
+//!
+//! Not here: the order-writer and outbox publisher (`flashsale_pg_worker`, started beside it
+//! unless `--no-worker`).
+
+pub mod control;
+pub mod lease;
+pub mod notice;
+pub mod sync;
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use flashsale_io::log::async_nats::jetstream;
+use flashsale_io::log::{Log, LogConfig, LogError, PublishAck, Publisher};
+use flashsale_io::wire::OrderCreate;
+use flashsale_pg_worker::PgError;
+use futures::channel::oneshot;
+use tokio::sync::{mpsc, Semaphore};
+
+/// Everything the durable side needs, spelled out.
+#[derive(Debug, Clone)]
+pub struct DurableConfig {
+    pub pg_url: String,
+    /// Connections of the edge's pool (query fallback, admin); the order-writer has its own.
+    pub pg_pool_size: usize,
+    pub log: LogConfig,
+    /// Requests queued from all shards at once; full → the shard answers at once
+    /// (`QUEUED_PENDING` for a publish, `UNKNOWN` for a query).
+    pub queue_max: usize,
+    /// Requests being worked on at once (publishes awaiting acks, queries).
+    pub in_flight_max: usize,
+    /// Bound on one PostgreSQL call of the edge.
+    pub pg_timeout_ms: u64,
+    /// tokio worker threads.
+    pub threads: usize,
+}
+
+/// What the shards can ask for: three kinds, each answered through its own oneshot.
+pub enum DurableRequest {
+    /// An order-create message for the log; `msg_id` overrides the `Nats-Msg-Id` (a
+    /// republish of a message acknowledged before, `shard/publish.rs`).
+    Publish {
+        message: Box<OrderCreate>,
+        msg_id: Option<String>,
+        reply: oneshot::Sender<Result<PublishAck, LogError>>,
+    },
+    /// Puts a signed mode snapshot of `version` into the replicated mode bucket by
+    /// compare-and-set on the entry's revision ([`control::put_mode`]).
+    PutMode {
+        key: String,
+        value: String,
+        version: u64,
+        reply: oneshot::Sender<Result<u64, DurableError>>,
+    },
+    /// Tells every instance that compensation returned stock of this SKU to Redis (a core
+    /// NATS notice, [`notice`]); fire and forget.
+    StockReturned { key: crate::logic::router::SkuKey },
+    /// Any PostgreSQL work of the edge (see [`DurableHandle::pg`]): a pooled connection,
+    /// bounded by `pg_timeout_ms`. The SQL itself lives in `flashsale_pg_worker`.
+    Pg(PgJob),
+}
+
+/// A boxed PostgreSQL job run on the durable side; it replies through its own channel.
+pub type PgJob = Box<
+    dyn FnOnce(Pool, Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DurableError {
+    #[error("postgres: {0}")]
+    Pg(#[from] PgError),
+    #[error("postgres pool: {0}")]
+    Pool(String),
+    #[error("postgres call timed out")]
+    Timeout,
+    #[error("log: {0}")]
+    Log(#[from] LogError),
+    #[error("mode store: {0}")]
+    ModeStore(String),
+    /// The bucket already holds a snapshot of this scope with version `current` or newer.
+    #[error("mode store holds version {current}, not older than the offered one")]
+    StaleMode { current: u64 },
+    #[error("durable side unavailable (queue full or stopped)")]
+    Unavailable,
+}
+
+/// The shards' end of the crossing. `Send + Clone`: one clone per shard.
+#[derive(Clone)]
+pub struct DurableHandle {
+    tx: mpsc::Sender<DurableRequest>,
+}
+
+impl DurableHandle {
+    /// Queues a request without blocking; a full queue hands the request back.
+    pub fn try_send(&self, request: DurableRequest) -> Result<(), DurableError> {
+        self.tx.try_send(request).map_err(|_| DurableError::Unavailable)
+    }
+
+    /// Queues `make(reply)` and awaits the answer (from any runtime).
+    pub async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, DurableError>>) -> DurableRequest,
+    ) -> Result<T, DurableError> {
+        let (tx, rx) = oneshot::channel();
+        self.try_send(make(tx))?;
+        rx.await.map_err(|_| DurableError::Unavailable)?
+    }
+
+    /// Runs `f` with a pooled PostgreSQL connection on the durable side and awaits its result
+    /// (bounded by `pg_timeout_ms`). New PostgreSQL calls of the edge use this instead of a
+    /// request variant of their own.
+    pub async fn pg<T, F, Fut>(&self, f: F) -> Result<T, DurableError>
+    where
+        T: Send + 'static,
+        F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T, PgError>> + Send + 'static,
+    {
+        self.call(|reply| {
+            DurableRequest::Pg(Box::new(move |pool, timeout| {
+                Box::pin(async move {
+                    let _ = reply.send(with_pg(&pool, timeout, f).await);
+                })
+            }))
+        })
+        .await
+    }
+}
+
+/// The control-plane state the durable side keeps current for the shards.
+#[derive(Clone)]
+pub struct Control {
+    pub modes: Arc<crate::durable::control::ModeState>,
+    pub health: Arc<crate::durable::control::Health>,
+    pub health_poll_ms: u64,
+    /// The reconcile lease this instance keeps current (`lease.rs`), and who it is; None:
+    /// no periodic reconcile here, no lease sought.
+    pub reconcile_lease: Option<(crate::logic::ids::InstanceId, Duration)>,
+    pub lease: Arc<crate::durable::lease::Lease>,
+}
+
+/// The running durable side: its thread and the handle to stop it.
+pub struct Durable {
+    thread: Option<JoinHandle<()>>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Durable {
+    /// Connects to NATS (ensuring streams and consumers) and PostgreSQL, then serves requests
+    /// on its own runtime. Fails when a dependency cannot be reached at start.
+    /// `sync` = where `redis-sync` hands events (None: no `redis-sync` in this process).
+    /// `control` = the mode table and the health cells this side keeps current (the mode
+    /// bucket watcher and the backlog / PostgreSQL poller run here).
+    pub fn start(
+        config: DurableConfig,
+        sync: Option<crate::durable::sync::SyncTargets>,
+        control: Control,
+    ) -> anyhow::Result<(Durable, DurableHandle)> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads.max(1))
+            .thread_name("durable")
+            .enable_all()
+            .build()?;
+        let (tx, rx) = mpsc::channel(config.queue_max);
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("durable-main".into()).spawn(move || {
+            runtime.block_on(async move {
+                match connect(&config).await {
+                    Ok((log, publisher, pool, modes_store)) => {
+                        let _ = ready_tx.send(Ok(()));
+                        let client = log.client().clone();
+                        let watcher = tokio::spawn(crate::durable::control::watch(
+                            modes_store.clone(),
+                            Arc::clone(&control.modes),
+                            stop_rx.clone(),
+                        ));
+                        let poller = tokio::spawn(crate::durable::control::poll_health(
+                            log.clone(),
+                            config.pg_url.clone(),
+                            Arc::clone(&control.health),
+                            Duration::from_millis(control.health_poll_ms.max(1)),
+                            stop_rx.clone(),
+                        ));
+                        let lease_task = control.reconcile_lease.clone().map(|(id, period)| {
+                            tokio::spawn(crate::durable::lease::run(
+                                log.clone(),
+                                crate::durable::lease::RECONCILE_LEASE,
+                                id,
+                                period,
+                                Arc::clone(&control.lease),
+                                stop_rx.clone(),
+                            ))
+                        });
+                        let notice_task = sync.as_ref().map(|targets| {
+                            tokio::spawn(crate::durable::notice::subscribe(
+                                log.client().clone(),
+                                targets.clone(),
+                                stop_rx.clone(),
+                            ))
+                        });
+                        let sync_task = sync.map(|targets| {
+                            tokio::spawn(crate::durable::sync::run(
+                                log,
+                                publisher.clone(),
+                                targets,
+                                stop_rx.clone(),
+                            ))
+                        });
+                        let stores = Stores { publisher, pool, modes_store, client };
+                        serve(config, stores, rx, stop_rx).await;
+                        if let Some(task) = sync_task {
+                            let _ = task.await;
+                        }
+                        let _ = watcher.await;
+                        let _ = poller.await;
+                        if let Some(task) = notice_task {
+                            let _ = task.await;
+                        }
+                        if let Some(task) = lease_task {
+                            let _ = task.await;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            });
+        })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => anyhow::bail!("durable side exited during start-up"),
+        }
+        Ok((Durable { thread: Some(thread), stop: Some(stop_tx) }, DurableHandle { tx }))
+    }
+
+    /// Stops taking requests, lets those in flight finish (bounded by their own timeouts) and
+    /// joins the thread.
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Durable {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+async fn connect(
+    config: &DurableConfig,
+) -> anyhow::Result<(Log, Publisher, Pool, jetstream::kv::Store)> {
+    let log = Log::connect(&config.log).await?;
+    log.ensure_streams().await?;
+    log.ensure_consumers().await?;
+    let modes_store = log.mode_store().await?;
+    // The same pool code as the worker's: multi-host failover with a whole-connect deadline
+    // per host, the fencing rule, keepalives, and the worker's statement/lock timeouts.
+    let pool = flashsale_pg_worker::pool::build_pool(&flashsale_pg_worker::PgPoolConfig {
+        url: config.pg_url.clone(),
+        pool_size: config.pg_pool_size,
+        wait_timeout_ms: config.pg_timeout_ms,
+        application_name: "flashsale-edge".to_owned(),
+        ..flashsale_pg_worker::PgPoolConfig::default()
+    })?;
+    // Prove the database answers now rather than on the first buyer's query.
+    let client = pool.get().await.map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
+    client.simple_query("SELECT 1").await?;
+    let publisher = log.publisher();
+    Ok((log, publisher, pool, modes_store))
+}
+
+/// What the requests are served with.
+#[derive(Clone)]
+struct Stores {
+    publisher: Publisher,
+    pool: Pool,
+    modes_store: jetstream::kv::Store,
+    client: flashsale_io::log::async_nats::Client,
+}
+
+async fn serve(
+    config: DurableConfig,
+    stores: Stores,
+    mut rx: mpsc::Receiver<DurableRequest>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let permits = Arc::new(Semaphore::new(config.in_flight_max));
+    let pg_timeout = Duration::from_millis(config.pg_timeout_ms);
+    loop {
+        let request = tokio::select! {
+            request = rx.recv() => match request { Some(r) => r, None => break },
+            _ = stop.changed() => break,
+        };
+        // Bounded concurrency: waiting here backs the queue up, and a full queue is an
+        // immediate answer on the shard.
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { break };
+        let stores = stores.clone();
+        tokio::spawn(async move {
+            handle(request, &stores, pg_timeout).await;
+            drop(permit);
+        });
+    }
+    // Let in-flight requests finish: each is bounded by its own timeout.
+    let _ = permits.acquire_many(config.in_flight_max as u32).await;
+}
+
+async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
+    let Stores { publisher, pool, modes_store, client } = stores;
+    match request {
+        DurableRequest::PutMode { key, value, version, reply } => {
+            let put = control::put_mode(modes_store, &key, &value, version);
+            let put = tokio::time::timeout(timeout, put).await;
+            let _ = reply.send(put.unwrap_or(Err(DurableError::Timeout)));
+        }
+        DurableRequest::Publish { message, msg_id: None, reply } => {
+            let _ = reply.send(publisher.publish_order(&message).await);
+        }
+        DurableRequest::Publish { message, msg_id: Some(msg_id), reply } => {
+            let _ = reply.send(publisher.publish_order_as(&message, &msg_id).await);
+        }
+        DurableRequest::StockReturned { key } => notice::publish(client, key).await,
+        DurableRequest::Pg(job) => job(pool.clone(), timeout).await,
+    }
+}
+
+async fn with_pg<T, F, Fut>(pool: &Pool, timeout: Duration, f: F) -> Result<T, DurableError>
+where
+    F: FnOnce(deadpool_postgres::Object) -> Fut,
+    Fut: std::future::Future<Output = Result<T, PgError>>,
+{
+    let work = async {
+        let client = pool.get().await.map_err(|e| DurableError::Pool(e.to_string()))?;
+        f(client).await.map_err(DurableError::from)
+    };
+    tokio::time::timeout(timeout, work).await.map_err(|_| DurableError::Timeout)?
+}

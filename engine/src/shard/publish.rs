@@ -1,0 +1,184 @@
+//! THE path an order-create message takes to the log, for a fresh reservation (submit) and
+//! for every republish (scanner) alike (DESIGN.md sections 4 and 6):
+//!
+//! 1. the shard's log-publish circuit: open → not sent (the reservation stays pending and
+//!    the scanner retries; half-open admits a few probes whose outcome closes or re-opens it);
+//! 2. the publish through the durable side ([`DurableRequest::Publish`]), awaited for at most
+//!    `publish_wait_ms`; counted as ok / timeout / error in `flashsale_publish_total`. The
+//!    circuit records how the log really answered, not how long the shard waited: an ack that
+//!    arrives after `publish_wait_ms` (a healthy but slow log, e.g. on CPU-saturated cores)
+//!    is a success recorded when it arrives, and only a refusal or the log's own publish
+//!    timeout (`log.publish_timeout_ms`) is a failure. So slow acks never close submissions
+//!    while NATS answers, and a log that stops answering still opens the circuit;
+//! 3. on the log's ack, best effort, `mark_sent` (status `MESSAGE_SENT`, the pending entry
+//!    re-scored to the order deadline), retried within the idempotent-retry policy. A failed
+//!    mark only means a later republish, deduplicated by message id.
+//!
+//! The `Nats-Msg-Id` is the message id itself, except for a message the log already
+//! acknowledged whose outcome is overdue ([`MsgIdentity::Attempt`]): JetStream's duplicate
+//! window would drop it as a copy of the lost original, so it goes out as
+//! `<message_id>-r<attempt>`; the body keeps every business id and the PostgreSQL inbox,
+//! keyed by the body's message id, turns a copy into a duplicate that re-emits the outcome.
+
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use flashsale_io::log::{LogError, PublishAck};
+use flashsale_io::redis::script::{MarkSentArgs, SkuKeys};
+use flashsale_io::wire::OrderCreate;
+use futures::channel::oneshot;
+
+use super::Shard;
+use crate::durable::DurableRequest;
+use crate::logic::circuit::{Admit, CallOutcome};
+use crate::logic::clock::now_ms;
+use crate::logic::submit::Published;
+
+/// Under which `Nats-Msg-Id` a message goes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MsgIdentity {
+    /// The message id: first publishes and republishes of a message never acknowledged.
+    Original,
+    /// `<message_id>-r<retry_count>`: a message acknowledged before whose outcome is overdue.
+    Attempt,
+}
+
+/// Who publishes: a fresh reservation, or the scanner (whose acked republishes are counted in
+/// `flashsale_republished_total`, late ones included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Submit,
+    Scanner,
+}
+
+/// Longest a late ack is waited for after the shard answered (the durable side replies
+/// within the log's own publish timeout; this only bounds a reply that never comes).
+const LATE_ACK_WAIT_MS: u64 = 10_000;
+
+type Reply = oneshot::Receiver<Result<PublishAck, LogError>>;
+
+/// Publishes `message` (steps 1-3 of the module documentation).
+pub async fn publish_order(
+    shard: &Rc<Shard>,
+    keys: &Rc<SkuKeys>,
+    message: OrderCreate,
+    identity: MsgIdentity,
+    origin: Origin,
+) -> Published {
+    let call = match shard.publish_circuit.borrow_mut().allow(now_ms()) {
+        Admit::Call(call) => call,
+        Admit::Reject { .. } => return Published::NotAcked,
+    };
+    let mark = MarkRequest {
+        reservation_id: message.reservation_id.clone(),
+        request_id: message.request_id.clone(),
+        user_id: message.user_id,
+        identity,
+        origin,
+    };
+    let Some(reply) = send(shard, message, identity) else {
+        record(shard, call, CallOutcome::Failure);
+        return Published::NotAcked;
+    };
+    let wait = Duration::from_millis(shard.config().publish_wait_ms);
+    let mut reply = reply;
+    match glommio::timer::timeout(wait, async { Ok((&mut reply).await) }).await {
+        Ok(Ok(Ok(_ack))) => {
+            shard.metrics().publish_ok.fetch_add(1, Ordering::Relaxed);
+            record(shard, call, CallOutcome::Success);
+        }
+        Ok(_) => {
+            shard.metrics().publish_error.fetch_add(1, Ordering::Relaxed);
+            record(shard, call, CallOutcome::Failure);
+            return Published::NotAcked;
+        }
+        Err(_) => {
+            // The answer goes out now (QUEUED_PENDING); how the log answers is still worth
+            // knowing, for the circuit and to spare the scanner a republish.
+            shard.metrics().publish_timeout.fetch_add(1, Ordering::Relaxed);
+            let (shard, keys) = (Rc::clone(shard), Rc::clone(keys));
+            glommio::spawn_local(async move { late_ack(&shard, &keys, reply, call, mark).await })
+                .detach();
+            return Published::NotAcked;
+        }
+    }
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("after_publish_ack");
+    acked(shard, keys, &mark).await;
+    Published::Acked
+}
+
+/// The log's answer to a publish the shard stopped waiting for.
+async fn late_ack(
+    shard: &Shard,
+    keys: &SkuKeys,
+    reply: Reply,
+    call: crate::logic::circuit::Call,
+    mark: MarkRequest,
+) {
+    let wait = Duration::from_millis(LATE_ACK_WAIT_MS);
+    match glommio::timer::timeout(wait, async { Ok(reply.await) }).await {
+        Ok(Ok(Ok(_ack))) => {
+            shard.metrics().publish_late_ok.fetch_add(1, Ordering::Relaxed);
+            record(shard, call, CallOutcome::Success);
+            acked(shard, keys, &mark).await;
+        }
+        _ => record(shard, call, CallOutcome::Failure),
+    }
+}
+
+fn record(shard: &Shard, call: crate::logic::circuit::Call, outcome: CallOutcome) {
+    let mut circuit = shard.publish_circuit.borrow_mut();
+    circuit.record(call, outcome, now_ms());
+    let state = u64::from(circuit.state(now_ms()).metric_value());
+    shard.metrics().publish_circuit.store(state, Ordering::Relaxed);
+}
+
+struct MarkRequest {
+    reservation_id: String,
+    request_id: String,
+    user_id: u64,
+    identity: MsgIdentity,
+    origin: Origin,
+}
+
+/// The log has the message: count a republish, mark the reservation sent.
+async fn acked(shard: &Shard, keys: &SkuKeys, mark: &MarkRequest) {
+    if mark.origin == Origin::Scanner {
+        shard.metrics().republished.fetch_add(1, Ordering::Relaxed);
+    }
+    mark_sent(shard, keys, mark).await;
+}
+
+/// Best effort: the message is durable either way. A message acknowledged before is already
+/// `MESSAGE_SENT` (a mark would answer `NOT_PENDING`).
+async fn mark_sent(shard: &Shard, keys: &SkuKeys, mark: &MarkRequest) {
+    if mark.identity == MsgIdentity::Attempt {
+        return;
+    }
+    let args = MarkSentArgs {
+        reservation_id: &mark.reservation_id,
+        request_id: &mark.request_id,
+        user_id: mark.user_id,
+        now_ms: now_ms(),
+        order_deadline_ms: shard.config().order_deadline_ms,
+    };
+    let retry = &shard.config().idempotent_retry;
+    let _ = super::retry_idempotent(retry, || shard.functions.mark_sent(keys, &args)).await;
+}
+
+/// Hands the message to the durable side; `None` when its queue is full (nothing sent).
+fn send(shard: &Shard, message: OrderCreate, identity: MsgIdentity) -> Option<Reply> {
+    let msg_id = match identity {
+        MsgIdentity::Original => None,
+        MsgIdentity::Attempt => Some(format!("{}-r{}", message.message_id, message.retry_count)),
+    };
+    let (tx, rx) = oneshot::channel();
+    let request = DurableRequest::Publish { message: Box::new(message), msg_id, reply: tx };
+    if shard.shared.durable.try_send(request).is_err() {
+        shard.metrics().publish_error.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
+    Some(rx)
+}

@@ -1,0 +1,168 @@
+//! What the engine's Redis holds, as plain data: the activity status stored in a SKU's
+//! `meta`, the set of active SKUs and its member encoding, and the records the typed reads of
+//! [`super::reads`] return (CONTRACT.md section 5).
+//!
+//! What it is not: I/O. Nothing here talks to a server, so the engine's sans-I/O decisions
+//! may use these types; the key names themselves are built by `script::SkuKeys`, and every
+//! command that reads or writes them lives in `script` (the functions) or `reads`.
+
+use std::fmt;
+
+/// A plain Redis SET of `activity:sku` members: every SKU ever preheated. Outside any SKU's
+/// hash slot on purpose: every shard of every instance reads it to find the SKUs it owns, and
+/// only activity creation writes it.
+pub const ACTIVE_SKUS_KEY: &str = "seckill:active-skus";
+
+/// Status of an activity as `meta.status` holds it (CONTRACT.md section 5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActivityStatus {
+    Pending,
+    Active,
+    Ended,
+    Terminated,
+}
+
+impl ActivityStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActivityStatus::Pending => "PENDING",
+            ActivityStatus::Active => "ACTIVE",
+            ActivityStatus::Ended => "ENDED",
+            ActivityStatus::Terminated => "TERMINATED",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<ActivityStatus> {
+        Some(match text {
+            "PENDING" => ActivityStatus::Pending,
+            "ACTIVE" => ActivityStatus::Active,
+            "ENDED" => ActivityStatus::Ended,
+            "TERMINATED" => ActivityStatus::Terminated,
+            _ => return None,
+        })
+    }
+}
+
+/// One member of [`ACTIVE_SKUS_KEY`]: `activity_id:sku_id` in decimal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SkuMember {
+    pub activity_id: u64,
+    pub sku_id: u64,
+}
+
+impl SkuMember {
+    /// A member as the set holds it; `None` for anything else (a stranger's member is skipped,
+    /// never guessed at).
+    pub fn parse(text: &str) -> Option<SkuMember> {
+        let (a, s) = text.split_once(':')?;
+        let canonical = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+        if !canonical(a) || !canonical(s) {
+            return None;
+        }
+        Some(SkuMember { activity_id: a.parse().ok()?, sku_id: s.parse().ok()? })
+    }
+}
+
+impl fmt::Display for SkuMember {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.activity_id, self.sku_id)
+    }
+}
+
+/// A SKU's `meta` hash, when every field is present and well-formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaRecord {
+    pub status: ActivityStatus,
+    pub start_ms: u64,
+    pub end_ms: u64,
+    pub version: u64,
+    pub reservation_ttl_ms: u64,
+}
+
+/// A request's `req` hash as a query reads it (absent fields are `None`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RequestRecord {
+    /// `QUEUED_PENDING`, `QUEUED`, `SUCCEEDED`, `FAILED`.
+    pub state: String,
+    pub reservation_id: Option<String>,
+    pub order_id: Option<String>,
+    pub reason_code: Option<String>,
+    pub user_id: Option<u64>,
+}
+
+/// The sizes that a reservation or an outcome moves: `stock`, `resv:pending`, `resv:stuck`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SkuCounters {
+    /// `None` when the key is missing or not a number.
+    pub stock: Option<i64>,
+    pub pending: u64,
+    pub stuck: u64,
+}
+
+/// The `flashsale_reservations_pending` sample of one SKU: how many are pending, and when the
+/// most overdue one (lowest score: scores are next-retry times) was reserved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PendingSample {
+    pub pending: u64,
+    pub most_overdue_reserved_at_ms: Option<u64>,
+}
+
+/// One reservation as reconcile reads it: its memberships first, then its hash (the order of
+/// the reads is the contract, see the reconcile module of the engine).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ReservationRecord {
+    pub status: Option<String>,
+    pub user_id: Option<u64>,
+    pub reserved_at_ms: Option<u64>,
+    pub order_id: Option<String>,
+    pub in_pending: bool,
+    pub in_stuck: bool,
+}
+
+/// What one `SCAN` page of a SKU's keys held, sorted by kind (only the ids; counts of the
+/// kinds reconcile only counts).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct KeyPage {
+    /// `0` when the scan is complete.
+    pub next_cursor: u64,
+    pub reservation_ids: Vec<String>,
+    pub compensation_ids: Vec<String>,
+    /// The `user:` marker suffixes (user ids) and `req:` suffixes (`user:request`) seen.
+    pub user_markers: Vec<String>,
+    pub request_records: Vec<String>,
+}
+
+/// The flags reconcile reports beside the counts.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SkuFlags {
+    pub meta_status: Option<String>,
+    pub soldout: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn members_round_trip_and_strangers_are_skipped() {
+        let member = SkuMember { activity_id: 10001, sku_id: 20001 };
+        assert_eq!(member.to_string(), "10001:20001");
+        assert_eq!(SkuMember::parse("10001:20001"), Some(member));
+        for bad in ["", "1", "1:", ":1", "1:x", "+1:2", "1:2:3", "1 :2"] {
+            assert_eq!(SkuMember::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn statuses_round_trip() {
+        for status in [
+            ActivityStatus::Pending,
+            ActivityStatus::Active,
+            ActivityStatus::Ended,
+            ActivityStatus::Terminated,
+        ] {
+            assert_eq!(ActivityStatus::parse(status.as_str()), Some(status));
+        }
+        assert_eq!(ActivityStatus::parse("active"), None);
+    }
+}
