@@ -322,7 +322,7 @@ end
 -- ---------------------------------------------------------------------------------------------
 -- apply_result: write a reservation's final outcome (from PostgreSQL, via redis-sync) back.
 --
--- KEYS: 1 req:<user_id>:<request_id>, 2 resv:<reservation_id>, 3 resv:pending
+-- KEYS: 1 req:<user_id>:<request_id>, 2 resv:<reservation_id>, 3 resv:pending, 4 resv:stuck
 -- ARGV: 1 reservation_id, 2 outcome (ORDER_CREATED | FAILED), 3 order_id (required for
 --       ORDER_CREATED, "" for FAILED), 4 reason_code (required for FAILED, "" for
 --       ORDER_CREATED), 5 now_ms, 6 request_id, 7 payload_hash, 8 message_id, 9 user_id
@@ -333,19 +333,20 @@ end
 -- Reply: bulk string
 --   APPLIED   no final outcome yet: req.state = SUCCEEDED + order_id (or FAILED + reason_code),
 --             req recreated from ARGV if missing; resv (if present) status = outcome, order_id,
---             last_error_code = reason_code, finished_at = now_ms; ZREM pending
+--             last_error_code = reason_code, finished_at = now_ms; ZREM pending and stuck
 --   ALREADY   the same outcome is already recorded (ORDER_CREATED with the same order_id;
 --             FAILED over FAILED or COMPENSATED; ORDER_CREATED with the same order_id over
 --             COMPENSATED, i.e. an order later cancelled). Nothing changed.
 --   CONFLICT  a different final outcome is recorded (e.g. FAILED over ORDER_CREATED, another
 --             order_id), or req belongs to another reservation. Nothing changed.
 -- Invariants: a final outcome is never overwritten by a different one; the reservation
--- leaves resv:pending exactly when its final outcome is recorded; stock and user keys are
+-- leaves resv:pending (and resv:stuck: an outcome that arrives late resolves it) exactly when
+-- its final outcome is recorded; stock and user keys are
 -- not touched (compensate does that, once).
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
 local function apply_result(keys, args)
-  if #keys ~= 3 or #args ~= 9 then return bad('arity') end
+  if #keys ~= 4 or #args ~= 9 then return bad('arity') end
   local reservation_id, outcome, order_id, reason_code = args[1], args[2], args[3], args[4]
   local now_ms, request_id, payload_hash, message_id = uint(args[5]), args[6], args[7], args[8]
   local user_id = args[9]
@@ -364,7 +365,7 @@ local function apply_result(keys, args)
   if not uint(user_id) then return bad('user_id') end
   local p = prefix_of(keys[3], 'resv:pending')
   if not p or keys[1] ~= p .. 'req:' .. user_id .. ':' .. request_id
-      or keys[2] ~= p .. 'resv:' .. reservation_id then
+      or keys[2] ~= p .. 'resv:' .. reservation_id or keys[4] ~= p .. 'resv:stuck' then
     return bad('keys')
   end
 
@@ -404,6 +405,7 @@ local function apply_result(keys, args)
       'last_error_code', reason_code, 'finished_at', args[5])
   end
   redis.call('ZREM', keys[3], reservation_id)
+  redis.call('ZREM', keys[4], reservation_id)
   return 'APPLIED'
 end
 
@@ -411,7 +413,7 @@ end
 -- compensate: undo a reservation's Redis effects, once (DESIGN.md section 6, redis-sync).
 --
 -- KEYS: 1 comp:<reservation_id>, 2 stock, 3 user:<user_id>, 4 resv:<reservation_id>,
---       5 req:<user_id>:<request_id>, 6 resv:pending, 7 soldout
+--       5 req:<user_id>:<request_id>, 6 resv:pending, 7 soldout, 8 resv:stuck
 -- ARGV: 1 reservation_id, 2 return_stock (0|1), 3 release_user (0|1), 4 reason_code, 5 now_ms
 -- Reply: [code, stock] where stock is the integer stock after the call (0 if the key is missing)
 --   ALREADY_APPLIED  comp marker exists: this reservation was compensated before; no effect
@@ -423,14 +425,14 @@ end
 --                    (the user may hold a newer reservation); resv (if present) status =
 --                    COMPENSATED, last_error_code = reason_code, finished_at = now_ms;
 --                    req (if present and it belongs to this reservation) state = FAILED,
---                    reason_code; ZREM pending
+--                    reason_code; ZREM pending and stuck
 -- Invariants: stock is returned at most once per reservation (the comp marker is written in
 -- the same atomic step); stock only grows here; a user key of another reservation is never
 -- deleted; req/resv hashes are never fabricated (a half hash would break replays).
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
 local function compensate(keys, args)
-  if #keys ~= 7 or #args ~= 5 then return bad('arity') end
+  if #keys ~= 8 or #args ~= 5 then return bad('arity') end
   local reservation_id, reason_code = args[1], args[4]
   local return_stock, release_user, now_ms = flag(args[2]), flag(args[3]), uint(args[5])
   if not id_ok(reservation_id) then return bad('reservation_id') end
@@ -441,7 +443,8 @@ local function compensate(keys, args)
   local p = prefix_of(keys[2], 'stock')
   if not p or keys[1] ~= p .. 'comp:' .. reservation_id or not starts_with(keys[3], p .. 'user:')
       or keys[4] ~= p .. 'resv:' .. reservation_id or not starts_with(keys[5], p .. 'req:')
-      or keys[6] ~= p .. 'resv:pending' or keys[7] ~= p .. 'soldout' then
+      or keys[6] ~= p .. 'resv:pending' or keys[7] ~= p .. 'soldout'
+      or keys[8] ~= p .. 'resv:stuck' then
     return bad('keys')
   end
 
@@ -469,6 +472,7 @@ local function compensate(keys, args)
     redis.call('HSET', keys[5], 'state', 'FAILED', 'reason_code', reason_code)
   end
   redis.call('ZREM', keys[6], reservation_id)
+  redis.call('ZREM', keys[8], reservation_id)
   return { 'APPLIED', stock }
 end
 

@@ -52,7 +52,8 @@ pub use classify::{Action, Attempt, Recorded, RetryPolicy, WriteOutcome};
 pub use error::PgError;
 pub use migrate::{apply_migrations, migrate, MigrateReport, Migration, MIGRATIONS};
 pub use order_writer::{
-    write_batch, write_batch_per_message, write_batch_with, OrderPath, SET_BATCH_MAX,
+    settle_expired, write_batch, write_batch_per_message, write_batch_with, OrderPath, Settled,
+    SET_BATCH_MAX,
 };
 pub use outbox::{publish_once, OutboxRound};
 pub use pool::{build_pool, PgPoolConfig};

@@ -502,6 +502,7 @@ fn bad_arguments_are_refused_before_any_write() {
             req.clone(),
             pending.clone(),
             soldout.clone(),
+            key("resv:stuck"),
         ];
         let comp_keys: Vec<&str> = comp_keys.iter().map(String::as_str).collect();
         assert_eq!(
@@ -527,7 +528,7 @@ fn bad_arguments_are_refused_before_any_write() {
             fcall_raw(
                 &f,
                 "apply_result",
-                &[&req, &resv, &pending],
+                &[&req, &resv, &pending, &key("resv:stuck")],
                 &["resv_1", "MAYBE", "", "", "1", "req_1", "h", "msg_1", "30001"]
             )
             .await,
@@ -690,6 +691,31 @@ fn claim_due_claims_backs_off_cleans_and_sticks() {
         // Stock and users are untouched by the scanner.
         assert_eq!(stock(&f).await, Some(5));
         assert!(exists(&f, &key("user:30001")).await);
+    });
+}
+
+/// A stuck reservation whose outcome arrives after all (a late message, an operator's
+/// republish or compensation) leaves `resv:stuck` with it: stuck means "no outcome yet".
+#[test]
+fn a_final_outcome_takes_a_reservation_out_of_stuck() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        reserve_n(&f, 1).await;
+        reserve_n(&f, 2).await;
+        let late = T0 + 10 + RECOVERY_DEADLINE_MS + 1;
+        let r = claim(&f, late, 16).await.unwrap();
+        assert_eq!(r.stuck.len(), 2);
+        assert_eq!(zcard(&f, &key("resv:stuck")).await, 2);
+
+        let created = FinalOutcome::OrderCreated { order_id: "ord_1" };
+        assert_eq!(apply(&f, 1, created, late + 1).await, ApplyResultReply::Applied);
+        assert_eq!(zscore(&f, &key("resv:stuck"), "resv_1").await, None, "applied: not stuck");
+        assert_eq!(
+            compensate(&f, 2, true, true, "EXPIRED").await,
+            CompensateReply::Applied { stock_after: 9 }
+        );
+        assert_eq!(zscore(&f, &key("resv:stuck"), "resv_2").await, None, "compensated: not stuck");
+        assert_eq!(zcard(&f, &key("resv:stuck")).await, 0);
     });
 }
 

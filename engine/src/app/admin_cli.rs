@@ -11,6 +11,11 @@
 //!   mode --show` prints the global mode. Exit 0 when accepted.
 //! - `flashsale admin refunds`: `GET /admin/v1/refunds`, the payments recorded REFUND_NEEDED
 //!   (order id, payment id, amount, since) as JSON; exit 0 when listed.
+//! - `flashsale admin stuck list --activity A --sku S`: the SKU's stuck reservations (oldest
+//!   first, with what each may be resolved by); `flashsale admin stuck resolve --activity A
+//!   --sku S --reservation R (--republish | --compensate)`: `POST
+//!   /admin/v1/activities/{a}/skus/{s}/stuck/{r}` (`shard/stuck.rs` says when each is allowed);
+//!   exit 0 when the engine took the decision.
 //!
 //! Adding a call: a variant of [`AdminCommand`], its argument struct, and a function that uses
 //! [`AdminClient::get_json`] / [`AdminClient::post_json`] and returns the exit status.
@@ -69,6 +74,35 @@ pub enum AdminCommand {
     Mode(ModeArgs),
     /// Payments whose money must go back (recorded REFUND_NEEDED), oldest first, as JSON.
     Refunds,
+    /// Reservations past the recovery deadline with no outcome: list, or resolve one.
+    #[command(subcommand)]
+    Stuck(StuckCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StuckCommand {
+    /// The SKU's stuck reservations, oldest first, as JSON.
+    List(SkuArgs),
+    /// Resolve one: republish its message, or (once it expired) compensate it.
+    Resolve(ResolveArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("action").required(true).args(["republish", "compensate"])))]
+pub struct ResolveArgs {
+    #[command(flatten)]
+    pub sku: SkuArgs,
+    /// Reservation id (`resv_...`), as `stuck list` prints it.
+    #[arg(long)]
+    pub reservation: String,
+    /// Send its order-create message to the log again (always allowed; the order-writer
+    /// decides).
+    #[arg(long)]
+    pub republish: bool,
+    /// Record the order-writer's "expired" verdict now and return the unit (refused before
+    /// the reservation expired).
+    #[arg(long)]
+    pub compensate: bool,
 }
 
 #[derive(Debug, Args)]
@@ -167,6 +201,10 @@ pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8
             mode(&client, mode_args, config.control_key.as_deref(), out)?
         }
         AdminCommand::Refunds => refunds(&client, out)?,
+        AdminCommand::Stuck(StuckCommand::List(sku)) => stuck_list(&client, sku, out)?,
+        AdminCommand::Stuck(StuckCommand::Resolve(resolve)) => {
+            stuck_resolve(&client, resolve, out)?
+        }
     };
     out.flush()?;
     Ok(status)
@@ -190,6 +228,31 @@ fn refunds(client: &AdminClient, out: &mut dyn Write) -> anyhow::Result<u8> {
         bail!("the engine could not list refunds ({})", answer.status);
     }
     Ok(0)
+}
+
+fn stuck_list(client: &AdminClient, sku: &SkuArgs, out: &mut dyn Write) -> anyhow::Result<u8> {
+    let path = format!("/admin/v1/activities/{}/skus/{}/stuck", sku.activity, sku.sku);
+    let answer = client.get_json(&path)?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    if answer.status != 200 {
+        bail!("the engine could not list stuck reservations ({})", answer.status);
+    }
+    Ok(0)
+}
+
+fn stuck_resolve(
+    client: &AdminClient,
+    args: &ResolveArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let path = format!(
+        "/admin/v1/activities/{}/skus/{}/stuck/{}",
+        args.sku.activity, args.sku.sku, args.reservation
+    );
+    let action = if args.compensate { "compensate" } else { "republish" };
+    let answer = client.post_json(&path, &json!({ "action": action }))?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    Ok(if answer.status == 202 { 0 } else { 1 })
 }
 
 fn create_activity(
@@ -410,6 +473,26 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(parse_from(["admin", "reconcile", "--activity", "1"]).is_err());
+
+        let resolve = ["admin", "stuck", "resolve", "--activity", "1", "--sku", "2"];
+        let args =
+            parse_from(resolve.iter().chain(&["--reservation", "resv_1", "--compensate"])).unwrap();
+        match args.command {
+            AdminCommand::Stuck(StuckCommand::Resolve(r)) => {
+                assert_eq!((r.sku.activity, r.sku.sku, r.reservation.as_str()), (1, 2, "resv_1"));
+                assert!(r.compensate && !r.republish);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Exactly one action.
+        assert!(parse_from(resolve.iter().chain(&["--reservation", "resv_1"])).is_err());
+        let both = ["--reservation", "resv_1", "--republish", "--compensate"];
+        assert!(parse_from(resolve.iter().chain(&both)).is_err());
+        let list = ["admin", "stuck", "list", "--activity", "1", "--sku", "2"];
+        assert!(matches!(
+            parse_from(list).unwrap().command,
+            AdminCommand::Stuck(StuckCommand::List(SkuArgs { activity: 1, sku: 2 }))
+        ));
     }
 
     #[test]

@@ -128,6 +128,18 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
         (Method::Get, "/admin/v1/mode") => get_mode(shard),
         (Method::Get, "/admin/v1/refunds") => refunds(shard).await,
         (Method::Get, path) if path.ends_with("/reconcile") => reconcile(shard, path).await,
+        (Method::Get, path) if path.ends_with("/stuck") => {
+            match path.strip_suffix("/stuck").and_then(parse_sku_path) {
+                Some(key) => crate::shard::stuck::list(shard, key).await,
+                None => not_found(),
+            }
+        }
+        (Method::Post, path) if path.contains("/stuck/") => match parse_stuck_path(path) {
+            Some((key, reservation_id)) => {
+                crate::shard::stuck::resolve(shard, key, reservation_id, body).await
+            }
+            None => not_found(),
+        },
         (Method::Get, path) if path.starts_with("/admin/v1/activities/") => {
             match parse_sku_path(path) {
                 Some(key) => sku_status(shard, key).await,
@@ -282,7 +294,7 @@ fn not_found() -> (Status, String) {
     (Status::NotFound, r#"{"state":"INVALID","reason_code":"NO_SUCH_ROUTE"}"#.to_owned())
 }
 
-fn error(status: Status, reason: &str) -> (Status, String) {
+pub(super) fn error(status: Status, reason: &str) -> (Status, String) {
     (status, json!({"state": "INVALID", "reason_code": reason}).to_string())
 }
 
@@ -301,6 +313,13 @@ fn parse_sku_path(path: &str) -> Option<SkuKey> {
     let (a, rest) = rest.split_once('/')?;
     let s = rest.strip_prefix("skus/")?;
     Some(SkuKey::new(a.parse().ok()?, s.parse().ok()?))
+}
+
+/// `/admin/v1/activities/{a}/skus/{s}/stuck/{reservation_id}`
+fn parse_stuck_path(path: &str) -> Option<(SkuKey, &str)> {
+    let (sku_path, reservation_id) = path.split_once("/stuck/")?;
+    let key = parse_sku_path(sku_path)?;
+    (!reservation_id.is_empty() && !reservation_id.contains('/')).then_some((key, reservation_id))
 }
 
 #[derive(Debug, Deserialize)]

@@ -25,6 +25,7 @@ pub mod query;
 pub mod reconcile;
 pub mod refresh;
 pub mod scanner;
+pub mod stuck;
 pub mod submit;
 pub mod sync;
 

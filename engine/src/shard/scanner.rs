@@ -155,8 +155,9 @@ async fn sweep(shard: &Rc<Shard>, key: SkuKey, config: &ScannerConfig) {
     }
 }
 
-/// The order-create message of a pending reservation, identical in every id to the first one.
-fn message_of(key: SkuKey, entry: &PendingEntry) -> OrderCreate {
+/// The order-create message of a pending reservation, identical in every id to the first one
+/// (also an operator's republish or compensation of a stuck one, `stuck.rs`).
+pub(super) fn message_of(key: SkuKey, entry: &PendingEntry) -> OrderCreate {
     let facts = ReservationFacts {
         message_id: &entry.message_id,
         reservation_id: &entry.reservation_id,

@@ -119,6 +119,21 @@ pub struct ReservationRecord {
     pub in_stuck: bool,
 }
 
+/// One member of a SKU's `resv:stuck` as the admin plane lists it: when it got stuck, why,
+/// and (when its record still holds every field a message needs) the pending entry an
+/// operator's republish or compensation rebuilds the order-create message from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StuckEntry {
+    pub reservation_id: String,
+    pub stuck_at_ms: u64,
+    /// `resv.status` as written (`None`: the record is gone).
+    pub status: Option<String>,
+    /// `RECOVERY_DEADLINE` or `INVALID_RECORD` (`lua/seckill.lua`, `claim_due`).
+    pub last_error_code: Option<String>,
+    /// `None`: a field is missing or malformed, or the status is final or not republishable.
+    pub entry: Option<crate::redis::script::PendingEntry>,
+}
+
 /// What one `SCAN` page of a SKU's keys held, sorted by kind (only the ids; counts of the
 /// kinds reconcile only counts).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -13,9 +13,9 @@
 
 use crate::redis::layout::{
     ActivityStatus, KeyPage, MetaRecord, PendingSample, RequestRecord, ReservationRecord,
-    SkuCounters, SkuFlags, SkuMember, ACTIVE_SKUS_KEY,
+    SkuCounters, SkuFlags, SkuMember, StuckEntry, ACTIVE_SKUS_KEY,
 };
-use crate::redis::script::{Functions, ScriptError, SkuKeys};
+use crate::redis::script::{Functions, PendingEntry, PendingStatus, ScriptError, SkuKeys};
 use crate::redis::slot::Slot;
 use crate::resp::{Reply, U64Text};
 
@@ -294,6 +294,86 @@ impl Functions {
                 Some((id, pair.get(1).and_then(uint).unwrap_or(0)))
             })
             .collect())
+    }
+
+    /// The first `n` stuck entries (oldest first), each with its record: one `ZRANGE`, then
+    /// one `HMGET` per entry.
+    pub async fn stuck_entries(
+        &self,
+        keys: &SkuKeys,
+        n: usize,
+    ) -> Result<Vec<StuckEntry>, ScriptError> {
+        let mut entries = Vec::new();
+        for (reservation_id, stuck_at_ms) in self.stuck_sample(keys, n).await? {
+            entries.push(self.stuck_record(keys, reservation_id, stuck_at_ms).await?);
+        }
+        Ok(entries)
+    }
+
+    /// One stuck entry (`None`: not a member of `resv:stuck`).
+    pub async fn stuck_entry(
+        &self,
+        keys: &SkuKeys,
+        reservation_id: &str,
+    ) -> Result<Option<StuckEntry>, ScriptError> {
+        let id = reservation_id.as_bytes();
+        let score = self.read(keys.slot(), &[b"ZSCORE", keys.stuck().as_bytes(), id]).await?;
+        match uint(&score) {
+            Some(stuck_at_ms) => {
+                Ok(Some(self.stuck_record(keys, reservation_id.to_owned(), stuck_at_ms).await?))
+            }
+            None => Ok(None),
+        }
+    }
+
+    async fn stuck_record(
+        &self,
+        keys: &SkuKeys,
+        reservation_id: String,
+        stuck_at_ms: u64,
+    ) -> Result<StuckEntry, ScriptError> {
+        let resv = keys.resv(&reservation_id)?;
+        let command: &[&[u8]] = &[
+            b"HMGET",
+            resv.as_bytes(),
+            b"status",
+            b"last_error_code",
+            b"message_id",
+            b"request_id",
+            b"user_id",
+            b"payload_hash",
+            b"reserved_at",
+            b"expires_at",
+            b"send_attempts",
+        ];
+        let reply = self.read(keys.slot(), command).await?;
+        let f = reply.as_array().unwrap_or_default();
+        let status = owned(field(f, 0));
+        let pending_status = match status.as_deref() {
+            Some("PENDING_MESSAGE") => Some(PendingStatus::PendingMessage),
+            Some("MESSAGE_SENT") => Some(PendingStatus::MessageSent),
+            _ => None,
+        };
+        let entry = pending_status.and_then(|status| {
+            Some(PendingEntry {
+                reservation_id: reservation_id.clone(),
+                message_id: owned(field(f, 2))?,
+                request_id: owned(field(f, 3))?,
+                user_id: uint(field(f, 4))?,
+                payload_hash: owned(field(f, 5))?,
+                reserved_at_ms: uint(field(f, 6))?,
+                expires_at_ms: uint(field(f, 7))?,
+                send_attempts: uint(field(f, 8)).and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
+                status,
+            })
+        });
+        Ok(StuckEntry {
+            reservation_id,
+            stuck_at_ms,
+            status,
+            last_error_code: owned(field(f, 1)),
+            entry,
+        })
     }
 
     /// The `run_id` of one node (`INFO server`): another one means the process restarted

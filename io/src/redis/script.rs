@@ -769,7 +769,7 @@ impl Functions {
                 keys.slot(),
                 Lane::Plain,
                 "apply_result",
-                &[req.as_bytes(), resv.as_bytes(), keys.pending.as_bytes()],
+                &[req.as_bytes(), resv.as_bytes(), keys.pending.as_bytes(), keys.stuck.as_bytes()],
                 &[
                     args.reservation_id.as_bytes(),
                     outcome,
@@ -816,6 +816,7 @@ impl Functions {
                     req.as_bytes(),
                     keys.pending.as_bytes(),
                     keys.soldout.as_bytes(),
+                    keys.stuck.as_bytes(),
                 ],
                 &[
                     args.reservation_id.as_bytes(),

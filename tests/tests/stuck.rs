@@ -1,0 +1,228 @@
+//! Stuck reservations resolved by an operator (`flashsale admin stuck`, `shard/stuck.rs`),
+//! against real Redis, NATS and PostgreSQL, through `admin_cli::run` (the functions `main`
+//! calls) and the admin routes.
+//!
+//! How reservations get stuck here: the engine runs with no order-writer, a 300 ms order
+//! deadline and a 1.5 s recovery deadline, so every accepted reservation's message sits in
+//! `SECKILL_ORDERS` unconsumed (in flight, with the scanner's republishes beside it) and the
+//! scanner moves the reservation to `resv:stuck`. One SKU's reservations expire after 1 s
+//! (compensable once stuck), the other's after 60 s (republish only). The order-writer starts
+//! only after the operator's decisions, so every decision is taken while copies of the
+//! message are still in flight — and each must still create nothing twice.
+
+use std::time::Duration;
+
+use flashsale_engine::app::admin_cli;
+use flashsale_engine::shard::scanner::ScannerConfig;
+use flashsale_tests::{
+    redis_cmd, serve_config, small_worker, state, wait_for_ms, Engine, HttpClient,
+};
+
+/// Reservations expire after 1 s: past it when they get stuck.
+const SHORT: (u64, u64) = (10_001, 20_001);
+/// Reservations expire after 60 s: still live when stuck.
+const LONG: (u64, u64) = (10_002, 20_002);
+const STOCK: u64 = 10;
+
+fn engine() -> Engine {
+    Engine::start_with(|c| {
+        c.edge.order_deadline_ms = 300;
+        c.edge.scanner = ScannerConfig {
+            interval_ms: 100,
+            batch_max: 128,
+            backoff_base_ms: 200,
+            backoff_max_ms: 400,
+            recovery_deadline_ms: 1_500,
+            sku_refresh_ms: 200,
+        };
+    })
+}
+
+fn create(engine: &Engine, (activity, sku): (u64, u64), ttl_ms: u64) {
+    let body = format!(
+        r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{STOCK},"reservation_ttl_ms":{ttl_ms}}}"#
+    );
+    let resp = HttpClient::connect(engine.admin()).request(
+        "POST",
+        "/admin/v1/activities",
+        None,
+        Some(&body),
+    );
+    assert_eq!(resp.status, 201, "{}", resp.body);
+}
+
+fn key((activity, sku): (u64, u64), suffix: &str) -> String {
+    format!("seckill:{{{activity}:{sku}}}:{suffix}")
+}
+
+fn stuck_count(engine: &Engine, sku: (u64, u64)) -> u64 {
+    redis_cmd(&engine.redis, &["ZCARD", &key(sku, "resv:stuck")]).parse().unwrap()
+}
+
+fn stock(engine: &Engine, sku: (u64, u64)) -> u64 {
+    redis_cmd(&engine.redis, &["GET", &key(sku, "stock")]).parse().unwrap()
+}
+
+/// `flashsale admin <args>` against `engine`: (exit status or error, what it printed).
+fn admin(engine: &Engine, args: &[&str]) -> (Result<u8, String>, serde_json::Value) {
+    let addr = engine.admin().to_string();
+    let mut argv = vec!["admin", "--admin-addr", &addr, "--stack-dir", "/nonexistent"];
+    argv.extend_from_slice(args);
+    let parsed = admin_cli::parse_from(argv).unwrap();
+    let mut out = Vec::new();
+    let status = admin_cli::run(parsed, &Default::default(), &mut out).map_err(|e| e.to_string());
+    let out = String::from_utf8(out).unwrap();
+    let json = serde_json::from_str(&out).unwrap_or_else(|_| serde_json::Value::String(out));
+    (status, json)
+}
+
+fn list(engine: &Engine, (activity, sku): (u64, u64)) -> serde_json::Value {
+    let (a, s) = (activity.to_string(), sku.to_string());
+    let (status, out) = admin(engine, &["stuck", "list", "--activity", &a, "--sku", &s]);
+    assert_eq!(status, Ok(0), "{out}");
+    out
+}
+
+fn resolve(
+    engine: &Engine,
+    (activity, sku): (u64, u64),
+    reservation: &str,
+    action: &str,
+) -> (Result<u8, String>, serde_json::Value) {
+    let (a, s) = (activity.to_string(), sku.to_string());
+    let args = ["stuck", "resolve", "--activity", &a, "--sku", &s, "--reservation", reservation];
+    let mut argv = args.to_vec();
+    argv.push(action);
+    admin(engine, &argv)
+}
+
+fn ids(listed: &serde_json::Value) -> Vec<String> {
+    let entries = listed["stuck"].as_array().unwrap();
+    entries.iter().map(|e| e["reservation_id"].as_str().unwrap().to_owned()).collect()
+}
+
+fn pg_count(engine: &Engine, sql: &str) -> i64 {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let (client, conn) =
+            tokio_postgres::connect(&engine.db.url, tokio_postgres::NoTls).await.unwrap();
+        let driver = tokio::spawn(conn);
+        let n: i64 = client.query_one(sql, &[]).await.unwrap().get(0);
+        drop(client);
+        let _ = driver.await;
+        n
+    })
+}
+
+#[test]
+fn stuck_reservations_are_listed_and_resolved_once_each_way_while_their_messages_are_in_flight() {
+    let engine = engine();
+    create(&engine, SHORT, 1_000);
+    create(&engine, LONG, 60_000);
+    let mut c = HttpClient::connect(engine.http());
+    for user in 1..=3 {
+        let (status, v) = engine.submit(&mut c, user, SHORT.0, SHORT.1, &format!("s-{user}"));
+        assert_eq!((status, state(&v)), (202, "QUEUED"), "{v}");
+    }
+    for user in 11..=12 {
+        let (status, v) = engine.submit(&mut c, user, LONG.0, LONG.1, &format!("l-{user}"));
+        assert_eq!((status, state(&v)), (202, "QUEUED"), "{v}");
+    }
+    wait_for_ms("every reservation stuck", 20_000, || {
+        stuck_count(&engine, SHORT) == 3 && stuck_count(&engine, LONG) == 2
+    });
+    assert_eq!((stock(&engine, SHORT), stock(&engine, LONG)), (STOCK - 3, STOCK - 2));
+
+    // Listed with what may resolve each.
+    let short = list(&engine, SHORT);
+    assert_eq!((short["count"].as_u64(), short["listed"].as_u64()), (Some(3), Some(3)), "{short}");
+    for e in short["stuck"].as_array().unwrap() {
+        assert_eq!(e["last_error_code"], "RECOVERY_DEADLINE", "{e}");
+        assert_eq!(
+            (e["republishable"].as_bool(), e["compensable"].as_bool()),
+            (Some(true), Some(true))
+        );
+    }
+    let long = list(&engine, LONG);
+    for e in long["stuck"].as_array().unwrap() {
+        assert_eq!(
+            (e["republishable"].as_bool(), e["compensable"].as_bool()),
+            (Some(true), Some(false))
+        );
+    }
+    let (short_ids, long_ids) = (ids(&short), ids(&long));
+
+    // A live reservation cannot be compensated (the writer could still create its order).
+    let (status, out) = resolve(&engine, LONG, &long_ids[0], "--compensate");
+    assert_eq!((status, out["reason_code"].as_str()), (Ok(1), Some("NOT_EXPIRED")), "{out}");
+    // Republished, twice for the first one: the log dedups the second inside its window.
+    for id in [&long_ids[0], &long_ids[0], &long_ids[1]] {
+        let (status, out) = resolve(&engine, LONG, id, "--republish");
+        assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("REPUBLISHED")), "{out}");
+    }
+
+    // Compensated: the writer's verdict recorded now; a second compensation finds it.
+    let (status, out) = resolve(&engine, SHORT, &short_ids[0], "--compensate");
+    assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("COMPENSATED")), "{out}");
+    let (status, out) = resolve(&engine, SHORT, &short_ids[0], "--compensate");
+    assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("ALREADY_RECORDED")), "{out}");
+    assert_eq!(out["recorded"]["reason_code"], "EXPIRED", "{out}");
+    let (status, out) = resolve(&engine, SHORT, &short_ids[1], "--compensate");
+    assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("COMPENSATED")), "{out}");
+    // The third is left alone: its own message, still in the stream, decides it.
+
+    // Bad input: a clear error, nothing changed.
+    let (status, out) = resolve(&engine, SHORT, "resv_unknown", "--compensate");
+    assert_eq!((status, out["reason_code"].as_str()), (Ok(1), Some("NOT_STUCK")), "{out}");
+    let path = format!("/admin/v1/activities/{}/skus/{}/stuck/{}", SHORT.0, SHORT.1, short_ids[2]);
+    let resp = HttpClient::connect(engine.admin()).request(
+        "POST",
+        &path,
+        None,
+        Some(r#"{"action":"forget"}"#),
+    );
+    assert_eq!((resp.status, resp.json()["reason_code"].as_str()), (400, Some("ACTION_INVALID")));
+    assert_eq!(stuck_count(&engine, SHORT), 3, "nothing leaves stuck before redis-sync applies");
+
+    // Now the order-writer drains the stream: every original, every scanner republish and
+    // every operator republish arrives after (or beside) the decisions above.
+    let config = serve_config(engine.redis.addr(), &engine.nats.url(), &engine.db.url);
+    let worker = flashsale_pg_worker::worker::start(small_worker(&config)).expect("worker starts");
+    wait_for_ms("stuck emptied by the outcomes", 20_000, || {
+        stuck_count(&engine, SHORT) == 0 && stuck_count(&engine, LONG) == 0
+    });
+    wait_for_ms("every unit of the short SKU back", 10_000, || stock(&engine, SHORT) == STOCK);
+    // Give any copy still in the stream time to arrive before counting.
+    std::thread::sleep(Duration::from_millis(1_000));
+    worker.shutdown().expect("worker stops");
+
+    // Exactly one outcome each: no order for an expired reservation, one per live buyer, each
+    // unit of the short SKU returned once (a second return would show as stock 11+).
+    assert_eq!(stock(&engine, SHORT), STOCK);
+    assert_eq!(stock(&engine, LONG), STOCK - 2);
+    let orders = |sku: (u64, u64)| {
+        pg_count(&engine, &format!("SELECT count(*) FROM orders WHERE sku_id = {}", sku.1))
+    };
+    assert_eq!((orders(SHORT), orders(LONG)), (0, 2));
+    let expired = pg_count(
+        &engine,
+        &format!(
+            "SELECT count(*) FROM inventory_reservation WHERE sku_id = {} AND status = 'REJECTED_EXPIRED'",
+            SHORT.1
+        ),
+    );
+    assert_eq!(expired, 3);
+    for user in 1..=3 {
+        let (_, v) = engine.query(&mut c, user, SHORT.0, SHORT.1, &format!("s-{user}"));
+        assert_eq!((state(&v), v["reason_code"].as_str()), ("FAILED", Some("EXPIRED")), "{v}");
+    }
+    for user in 11..=12 {
+        let (_, v) = engine.query(&mut c, user, LONG.0, LONG.1, &format!("l-{user}"));
+        assert_eq!(state(&v), "SUCCEEDED", "{v}");
+    }
+    // A buyer whose reservation was compensated may buy again.
+    let (status, v) = engine.submit(&mut c, 1, SHORT.0, SHORT.1, "s-1-again");
+    assert_eq!((status, state(&v)), (202, "QUEUED"), "{v}");
+    engine.assert_reconciled(LONG.0, LONG.1);
+    engine.assert_invariants(SHORT.0, SHORT.1);
+}
