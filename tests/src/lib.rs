@@ -429,9 +429,15 @@ impl Engine {
     }
 
     pub fn create_activity(&self, activity: u64, sku: u64, stock: u64) {
+        self.create_activity_with(&format!(
+            r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock}}}"#
+        ));
+    }
+
+    /// `POST /admin/v1/activities` with this body (optional fields set); asserts 201.
+    pub fn create_activity_with(&self, body: &str) {
         let mut admin = HttpClient::connect(self.admin());
-        let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock}}}"#);
-        let resp = admin.request("POST", "/admin/v1/activities", None, Some(&body));
+        let resp = admin.request("POST", "/admin/v1/activities", None, Some(body));
         assert_eq!(resp.status, 201, "{}", resp.body);
     }
 

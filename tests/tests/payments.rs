@@ -477,13 +477,7 @@ fn create_activity(engine: &Engine, activity: u64, sku: u64, stock: u64, pay_tim
     let body = format!(
         r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock},"pay_timeout_ms":{pay_timeout_ms}}}"#
     );
-    let resp = HttpClient::connect(engine.admin()).request(
-        "POST",
-        "/admin/v1/activities",
-        None,
-        Some(&body),
-    );
-    assert_eq!(resp.status, 201, "{}", resp.body);
+    engine.create_activity_with(&body);
 }
 
 /// Submits for `user` and waits for the order; its id.

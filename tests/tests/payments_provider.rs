@@ -437,13 +437,7 @@ fn the_worker_asks_before_closing_and_refunds_are_listed() {
     });
     let (a, s) = (501, 502);
     let body = format!(r#"{{"activity_id":{a},"sku_id":{s},"stock":1,"pay_timeout_ms":2000}}"#);
-    let resp = HttpClient::connect(engine.admin()).request(
-        "POST",
-        "/admin/v1/activities",
-        None,
-        Some(&body),
-    );
-    assert_eq!(resp.status, 201, "{}", resp.body);
+    engine.create_activity_with(&body);
     let mut c = HttpClient::connect(engine.http());
     let (status, queued) = engine.submit(&mut c, 1, a, s, "prov-1");
     assert_eq!((status, state(&queued)), (202, "QUEUED"), "{queued}");

@@ -495,13 +495,7 @@ fn a_cancelled_and_a_closed_order_reconcile_ok_with_exact_counts() {
     });
     let (a, s) = (71, 72);
     let body = format!(r#"{{"activity_id":{a},"sku_id":{s},"stock":4,"pay_timeout_ms":4000}}"#);
-    let resp = HttpClient::connect(engine.admin()).request(
-        "POST",
-        "/admin/v1/activities",
-        None,
-        Some(&body),
-    );
-    assert_eq!(resp.status, 201, "{}", resp.body);
+    engine.create_activity_with(&body);
     assert_eq!(sale(&engine, a, s, 4).len(), 4);
     wait_settled(&engine, a, s, 4);
     let order_of = |user: i64| {

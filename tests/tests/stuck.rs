@@ -42,13 +42,7 @@ fn create(engine: &Engine, (activity, sku): (u64, u64), ttl_ms: u64) {
     let body = format!(
         r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{STOCK},"reservation_ttl_ms":{ttl_ms}}}"#
     );
-    let resp = HttpClient::connect(engine.admin()).request(
-        "POST",
-        "/admin/v1/activities",
-        None,
-        Some(&body),
-    );
-    assert_eq!(resp.status, 201, "{}", resp.body);
+    engine.create_activity_with(&body);
 }
 
 fn key((activity, sku): (u64, u64), suffix: &str) -> String {
@@ -72,7 +66,7 @@ fn admin(engine: &Engine, args: &[&str]) -> (Result<u8, String>, serde_json::Val
     let mut out = Vec::new();
     let status = admin_cli::run(parsed, &Default::default(), &mut out).map_err(|e| e.to_string());
     let out = String::from_utf8(out).unwrap();
-    let json = serde_json::from_str(&out).unwrap_or_else(|_| serde_json::Value::String(out));
+    let json = serde_json::from_str(&out).unwrap_or(serde_json::Value::String(out));
     (status, json)
 }
 
