@@ -15,6 +15,8 @@
 //!   more acks outstanding than the config allows.
 //! - [`PullSource`] / [`Delivery`] (`consumer.rs`): pulling a batch, ack / NAK-with-delay /
 //!   TERM, and [`Publisher::dead_letter`].
+//! - `dlq.rs`: dead letters listed, replayed to their source subject, or discarded
+//!   ([`Log::dead_letters`], [`Log::replay_dead_letter`], [`Log::discard_dead_letter`]).
 //! - [`LogLag`] (`lag.rs`): the `order-writer` pending count and oldest pending age, polled
 //!   from JetStream and readable through a cheap shared handle (the edge's admission);
 //!   [`Log::poll_placement`]: each replicated stream's configured and current replicas
@@ -34,6 +36,7 @@
 //! Read next: `wire.rs` (message bodies), `pg-worker/src/worker.rs` (the consumer loop).
 
 mod consumer;
+mod dlq;
 mod lag;
 mod publisher;
 
@@ -45,6 +48,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 pub use async_nats;
 pub use consumer::header_text;
 pub use consumer::{Delivery, PullSource};
+pub use dlq::{DeadLetter, DeadLetterPage, Replay, DLQ_SCAN_MAX};
 pub use lag::{record_placement, LagSample, LogLag, StreamPlacement};
 pub use publisher::{event_msg_id, PublishAck, Publisher};
 
@@ -96,6 +100,8 @@ pub const DLQ_DELIVERIES_HEADER: &str = "Flashsale-Dlq-Deliveries";
 pub const DLQ_STREAM_SEQUENCE_HEADER: &str = "Flashsale-Dlq-Stream-Sequence";
 /// Dead letters: the source message's `Nats-Msg-Id`, when it had one.
 pub const DLQ_ORIGINAL_MSG_ID_HEADER: &str = "Flashsale-Dlq-Original-Msg-Id";
+/// Dead letters: the subject the message was consumed from (where a replay publishes it).
+pub const DLQ_SUBJECT_HEADER: &str = "Flashsale-Dlq-Subject";
 
 /// The contract's floor for the publish dedup window (CONTRACT.md section 6): a republish by
 /// the scanner within it is dropped by JetStream; after it, by the PostgreSQL inbox.

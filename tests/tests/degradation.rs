@@ -461,6 +461,7 @@ fn admin_cli_signs_and_sets_a_mode_and_shows_it() {
     let (status, out) = run(&["mode", "--mode", "NORMAL", "--version", "2"], &env);
     assert_eq!(status, Ok(0), "{out}");
     assert_eq!(state(&engine.submit(&mut c, 1, 251, 252, "cli-1").1), "QUEUED");
+    engine.assert_reconciled(251, 252);
 }
 
 #[test]

@@ -16,6 +16,9 @@
 //!   --sku S --reservation R (--republish | --compensate)`: `POST
 //!   /admin/v1/activities/{a}/skus/{s}/stuck/{r}` (`shard/stuck.rs` says when each is allowed);
 //!   exit 0 when the engine took the decision.
+//! - `flashsale admin dlq list [--after SEQ]`: dead letters, oldest first; `flashsale admin dlq
+//!   replay --seq N` / `discard --seq N`: `POST /admin/v1/dlq/{n}` (`shard/dlq.rs`); exit 0
+//!   when done.
 //!
 //! Adding a call: a variant of [`AdminCommand`], its argument struct, and a function that uses
 //! [`AdminClient::get_json`] / [`AdminClient::post_json`] and returns the exit status.
@@ -77,6 +80,30 @@ pub enum AdminCommand {
     /// Reservations past the recovery deadline with no outcome: list, or resolve one.
     #[command(subcommand)]
     Stuck(StuckCommand),
+    /// Dead letters (`SECKILL_DLQ`): list, replay one to where it came from, or discard one.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Dead letters, oldest first, as JSON (100 at a time; `--after` continues).
+    List {
+        /// Only dead letters with a higher sequence (the answer's `next_after`).
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+    },
+    /// Publish one again to its source subject, then delete it (fix the cause first).
+    Replay(DlqSeq),
+    /// Delete one without replaying it.
+    Discard(DlqSeq),
+}
+
+#[derive(Debug, Args)]
+pub struct DlqSeq {
+    /// Its sequence in SECKILL_DLQ, as `dlq list` prints it.
+    #[arg(long)]
+    pub seq: u64,
 }
 
 #[derive(Debug, Subcommand)]
@@ -205,6 +232,9 @@ pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8
         AdminCommand::Stuck(StuckCommand::Resolve(resolve)) => {
             stuck_resolve(&client, resolve, out)?
         }
+        AdminCommand::Dlq(DlqCommand::List { after }) => dlq_list(&client, *after, out)?,
+        AdminCommand::Dlq(DlqCommand::Replay(seq)) => dlq_act(&client, seq.seq, "replay", out)?,
+        AdminCommand::Dlq(DlqCommand::Discard(seq)) => dlq_act(&client, seq.seq, "discard", out)?,
     };
     out.flush()?;
     Ok(status)
@@ -253,6 +283,26 @@ fn stuck_resolve(
     let answer = client.post_json(&path, &json!({ "action": action }))?;
     writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
     Ok(if answer.status == 202 { 0 } else { 1 })
+}
+
+fn dlq_list(client: &AdminClient, after: u64, out: &mut dyn Write) -> anyhow::Result<u8> {
+    let answer = client.get_json(&format!("/admin/v1/dlq?after={after}"))?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    if answer.status != 200 {
+        bail!("the engine could not list dead letters ({})", answer.status);
+    }
+    Ok(0)
+}
+
+fn dlq_act(
+    client: &AdminClient,
+    seq: u64,
+    action: &str,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let answer = client.post_json(&format!("/admin/v1/dlq/{seq}"), &json!({ "action": action }))?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
+    Ok(if matches!(answer.status, 200 | 202) { 0 } else { 1 })
 }
 
 fn create_activity(
@@ -493,6 +543,15 @@ mod tests {
             parse_from(list).unwrap().command,
             AdminCommand::Stuck(StuckCommand::List(SkuArgs { activity: 1, sku: 2 }))
         ));
+        assert!(matches!(
+            parse_from(["admin", "dlq", "replay", "--seq", "7"]).unwrap().command,
+            AdminCommand::Dlq(DlqCommand::Replay(DlqSeq { seq: 7 }))
+        ));
+        assert!(matches!(
+            parse_from(["admin", "dlq", "list"]).unwrap().command,
+            AdminCommand::Dlq(DlqCommand::List { after: 0 })
+        ));
+        assert!(parse_from(["admin", "dlq", "discard"]).is_err(), "--seq is required");
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub struct DurableConfig {
     pub threads: usize,
 }
 
-/// What the shards can ask for: three kinds, each answered through its own oneshot.
+/// What the shards can ask for, each answered through its own oneshot.
 pub enum DurableRequest {
     /// An order-create message for the log; `msg_id` overrides the `Nats-Msg-Id` (a
     /// republish of a message acknowledged before, `shard/publish.rs`).
@@ -68,7 +68,21 @@ pub enum DurableRequest {
     /// Any PostgreSQL work of the edge (see [`DurableHandle::pg`]): a pooled connection,
     /// bounded by `pg_timeout_ms`. The SQL itself lives in `flashsale_pg_worker`.
     Pg(PgJob),
+    /// Any other work against the log (see [`DurableHandle::log`]), e.g. the admin plane's
+    /// dead-letter calls; bounded by `pg_timeout_ms` like a PostgreSQL job. The JetStream
+    /// calls themselves live in `flashsale_io::log`.
+    Log(LogJob),
 }
+
+/// A boxed log job run on the durable side; it replies through its own channel.
+pub type LogJob = Box<
+    dyn FnOnce(
+            Log,
+            Publisher,
+            Duration,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
 
 /// A boxed PostgreSQL job run on the durable side; it replies through its own channel.
 pub type PgJob = Box<
@@ -135,6 +149,29 @@ impl DurableHandle {
         })
         .await
     }
+
+    /// Runs `f` with the log client and publisher on the durable side and awaits its result
+    /// (bounded by `pg_timeout_ms`).
+    pub async fn log<T, F, Fut>(&self, f: F) -> Result<T, DurableError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Log, Publisher) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T, LogError>> + Send + 'static,
+    {
+        self.call(|reply| {
+            DurableRequest::Log(Box::new(move |log, publisher, timeout| {
+                Box::pin(async move {
+                    let work = tokio::time::timeout(timeout, f(log, publisher));
+                    let result = match work.await {
+                        Ok(result) => result.map_err(DurableError::from),
+                        Err(_) => Err(DurableError::Timeout),
+                    };
+                    let _ = reply.send(result);
+                })
+            }))
+        })
+        .await
+    }
 }
 
 /// The control-plane state the durable side keeps current for the shards.
@@ -180,6 +217,7 @@ impl Durable {
                     Ok((log, publisher, pool, modes_store)) => {
                         let _ = ready_tx.send(Ok(()));
                         let client = log.client().clone();
+                        let stores_log = log.clone();
                         let watcher = tokio::spawn(crate::durable::control::watch(
                             modes_store.clone(),
                             Arc::clone(&control.modes),
@@ -217,7 +255,8 @@ impl Durable {
                                 stop_rx.clone(),
                             ))
                         });
-                        let stores = Stores { publisher, pool, modes_store, client };
+                        let stores =
+                            Stores { log: stores_log, publisher, pool, modes_store, client };
                         serve(config, stores, rx, stop_rx).await;
                         if let Some(task) = sync_task {
                             let _ = task.await;
@@ -296,6 +335,7 @@ async fn connect(
 /// What the requests are served with.
 #[derive(Clone)]
 struct Stores {
+    log: Log,
     publisher: Publisher,
     pool: Pool,
     modes_store: jetstream::kv::Store,
@@ -329,7 +369,7 @@ async fn serve(
 }
 
 async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
-    let Stores { publisher, pool, modes_store, client } = stores;
+    let Stores { log, publisher, pool, modes_store, client } = stores;
     match request {
         DurableRequest::PutMode { key, value, version, reply } => {
             let put = control::put_mode(modes_store, &key, &value, version);
@@ -344,6 +384,7 @@ async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
         }
         DurableRequest::StockReturned { key } => notice::publish(client, key).await,
         DurableRequest::Pg(job) => job(pool.clone(), timeout).await,
+        DurableRequest::Log(job) => job(log.clone(), publisher.clone(), timeout).await,
     }
 }
 

@@ -127,6 +127,11 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
         (Method::Post, "/admin/v1/mode") => post_mode(shard, body).await,
         (Method::Get, "/admin/v1/mode") => get_mode(shard),
         (Method::Get, "/admin/v1/refunds") => refunds(shard).await,
+        (Method::Get, "/admin/v1/dlq") => crate::shard::dlq::list(shard, request.query).await,
+        (Method::Post, path) if path.starts_with("/admin/v1/dlq/") => {
+            let sequence = &path["/admin/v1/dlq/".len()..];
+            crate::shard::dlq::act(shard, sequence, body).await
+        }
         (Method::Get, path) if path.ends_with("/reconcile") => reconcile(shard, path).await,
         (Method::Get, path) if path.ends_with("/stuck") => {
             match path.strip_suffix("/stuck").and_then(parse_sku_path) {

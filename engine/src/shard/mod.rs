@@ -18,6 +18,7 @@
 
 pub mod admin;
 pub mod conn;
+pub mod dlq;
 pub mod failover;
 pub mod orders;
 pub mod publish;

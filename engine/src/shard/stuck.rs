@@ -20,7 +20,7 @@
 //!
 //! Both answer once PostgreSQL or the log has the decision; Redis follows within a
 //! redis-sync round. Resolving an entry twice, or while its message is in flight, creates
-//! nothing twice (`tests/tests/stuck.rs`).
+//! nothing twice (`tests/tests/stuck_dlq.rs`).
 //!
 //! Runs on shard 0 (the admin plane) with shard 0's Redis connections: every write it causes
 //! in Redis is one atomic function call (`mark_sent`, then redis-sync's), which needs no

@@ -26,7 +26,7 @@ use futures::StreamExt;
 
 use super::{
     LogError, PublishAck, Publisher, DLQ_CONSUMER_HEADER, DLQ_DELIVERIES_HEADER, DLQ_ERROR_HEADER,
-    DLQ_ORIGINAL_MSG_ID_HEADER, DLQ_STREAM_SEQUENCE_HEADER, TRACEPARENT_HEADER,
+    DLQ_ORIGINAL_MSG_ID_HEADER, DLQ_STREAM_SEQUENCE_HEADER, DLQ_SUBJECT_HEADER, TRACEPARENT_HEADER,
 };
 
 /// Longest error text put into a dead letter's header (headers are one line each and count
@@ -150,6 +150,11 @@ impl Delivery {
         self.message.headers.as_ref()?.get(name).map(|v| v.as_str())
     }
 
+    /// The subject it was published to.
+    pub fn subject(&self) -> &str {
+        self.message.subject.as_str()
+    }
+
     pub fn msg_id(&self) -> Option<&str> {
         self.header("Nats-Msg-Id")
     }
@@ -191,7 +196,8 @@ impl Delivery {
 
 impl Publisher {
     /// Copies `delivery` to `seckill.dlq.<consumer>` with the original body and the error,
-    /// consumer, delivery count, stream sequence and original `Nats-Msg-Id` in headers. Its own
+    /// consumer, delivery count, stream sequence, source subject and original `Nats-Msg-Id`
+    /// in headers. Its own
     /// `Nats-Msg-Id` is `dlq_<consumer>_<stream_seq>`, so a crash between this publish and the
     /// TERM that follows it does not dead-letter the message twice. The caller TERMs the
     /// delivery only after this returns `Ok`.
@@ -211,6 +217,7 @@ impl Publisher {
             (DLQ_CONSUMER_HEADER, consumer),
             (DLQ_DELIVERIES_HEADER, &deliveries),
             (DLQ_STREAM_SEQUENCE_HEADER, &sequence),
+            (DLQ_SUBJECT_HEADER, delivery.subject()),
         ];
         if let Some(original) = delivery.msg_id() {
             headers.push((DLQ_ORIGINAL_MSG_ID_HEADER, original));

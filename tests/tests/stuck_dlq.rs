@@ -1,6 +1,7 @@
-//! Stuck reservations resolved by an operator (`flashsale admin stuck`, `shard/stuck.rs`),
-//! against real Redis, NATS and PostgreSQL, through `admin_cli::run` (the functions `main`
-//! calls) and the admin routes.
+//! What an operator resolves by hand, against real Redis, NATS and PostgreSQL, through
+//! `admin_cli::run` (the functions `main` calls) and the admin routes: stuck reservations
+//! (`flashsale admin stuck`, `shard/stuck.rs`) and dead letters (`flashsale admin dlq`,
+//! `shard/dlq.rs`).
 //!
 //! How reservations get stuck here: the engine runs with no order-writer, a 300 ms order
 //! deadline and a 1.5 s recovery deadline, so every accepted reservation's message sits in
@@ -219,4 +220,156 @@ fn stuck_reservations_are_listed_and_resolved_once_each_way_while_their_messages
     assert_eq!((status, state(&v)), (202, "QUEUED"), "{v}");
     engine.assert_reconciled(LONG.0, LONG.1);
     engine.assert_invariants(SHORT.0, SHORT.1);
+}
+
+/// Dead letters made the way the worker makes them: a message whose every delivery met a
+/// contended claim (a transaction of the test holds every token locked) and an undecodable
+/// one. The first is replayed after the lock goes and becomes the buyer's one order; the
+/// second, replayed unfixed, comes back as a new dead letter and is then discarded.
+#[test]
+fn dead_letters_are_listed_replayed_once_and_discarded() {
+    let engine = Engine::start_with(|c| {
+        c.durable.log.max_deliver = 2;
+        c.durable.log.ack_wait_ms = 1_000;
+        c.durable.log.backoff_ms = vec![];
+        // The scanner must not resolve the buyer behind the operator's back.
+        c.edge.order_deadline_ms = 600_000;
+        let mut worker = small_worker(c);
+        worker.log = c.durable.log.clone();
+        worker.contended_nak_ms = 50;
+        worker.nak_backoff_ms = vec![50];
+        c.worker = Some(worker);
+    });
+    engine.create_activity(SHORT.0, SHORT.1, 5);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (client, driver) = runtime.block_on(async {
+        let (client, conn) =
+            tokio_postgres::connect(&engine.db.url, tokio_postgres::NoTls).await.unwrap();
+        (client, tokio::spawn(conn))
+    });
+    // Every token locked by an open transaction: the writer's claim is contended each time.
+    runtime.block_on(async {
+        client.batch_execute("BEGIN").await.unwrap();
+        let locked = client
+            .query(
+                "SELECT token_id FROM inventory_token WHERE sku_id = $1 FOR UPDATE",
+                &[&(SHORT.1 as i64)],
+            )
+            .await
+            .unwrap();
+        assert_eq!(locked.len(), 5);
+    });
+    let mut c = HttpClient::connect(engine.http());
+    let (status, v) = engine.submit(&mut c, 7, SHORT.0, SHORT.1, "dlq-1");
+    assert_eq!((status, state(&v)), (202, "QUEUED"), "{v}");
+    let reservation = v["reservation_id"].as_str().unwrap().to_owned();
+    // And a body no schema version explains, published where the edge publishes.
+    runtime.block_on(async {
+        let log = flashsale_io::log::Log::connect(&flashsale_io::log::LogConfig {
+            url: engine.nats.url(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let body = bytes::Bytes::from_static(b"{\"schema_version\":99}");
+        log.publisher()
+            .publish(flashsale_io::log::ORDER_CREATE_SUBJECT, "poison-1", None, &[], body)
+            .await
+            .unwrap();
+    });
+
+    let dlq_list = || {
+        let (status, out) = admin(&engine, &["dlq", "list"]);
+        assert_eq!(status, Ok(0), "{out}");
+        out
+    };
+    let mut listed = serde_json::Value::Null;
+    wait_for_ms("both messages dead-lettered", 20_000, || {
+        listed = dlq_list();
+        listed["count"] == 2
+    });
+    let letters = listed["dead_letters"].as_array().unwrap().clone();
+    let find = |needle: &str| {
+        letters
+            .iter()
+            .find(|l| l["body"].as_str().unwrap_or("").contains(needle))
+            .unwrap_or_else(|| panic!("no dead letter with {needle}: {listed:#}"))
+            .clone()
+    };
+    let contended = find(&reservation);
+    assert_eq!(contended["consumer"], "order-writer", "{contended}");
+    assert_eq!(contended["deliveries"], 2, "{contended}");
+    assert!(contended["error"].as_str().unwrap().contains("deliveries exhausted"), "{contended}");
+    assert_eq!(contended["source_subject"], flashsale_io::log::ORDER_CREATE_SUBJECT);
+    let poison = find("schema_version\":99");
+    assert_eq!(poison["deliveries"], 1, "dead-lettered at once: {poison}");
+    let seq = |letter: &serde_json::Value| letter["sequence"].as_u64().unwrap().to_string();
+
+    // Unfixed, a replay goes round again: a new dead letter, the old one gone.
+    let (status, out) = admin(&engine, &["dlq", "replay", "--seq", &seq(&poison)]);
+    assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("REPLAYED")), "{out}");
+    wait_for_ms("the replayed poison dead-lettered again", 20_000, || {
+        let listed = dlq_list();
+        let letters = listed["dead_letters"].as_array().unwrap();
+        letters.iter().any(|l| {
+            l["sequence"].as_u64() > poison["sequence"].as_u64()
+                && l["body"].as_str().unwrap_or("").contains("schema_version\":99")
+        })
+    });
+    let again = dlq_list();
+    let again = again["dead_letters"].as_array().unwrap();
+    let poison_again = again
+        .iter()
+        .find(|l| l["body"].as_str().unwrap_or("").contains("schema_version\":99"))
+        .unwrap();
+    assert_eq!(again.len(), 2, "{again:?}");
+    let (status, out) = admin(&engine, &["dlq", "discard", "--seq", &seq(poison_again)]);
+    assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("DISCARDED")), "{out}");
+    let (status, out) = admin(&engine, &["dlq", "discard", "--seq", &seq(poison_again)]);
+    assert_eq!((status, out["reason_code"].as_str()), (Ok(1), Some("NO_SUCH_DEAD_LETTER")));
+
+    // The buyer is still queued: nothing decided them.
+    let (_, v) = engine.query(&mut c, 7, SHORT.0, SHORT.1, "dlq-1");
+    assert_eq!(state(&v), "QUEUING", "{v}");
+    // Cause fixed (the lock goes), then replayed: one order; a second replay finds nothing.
+    runtime.block_on(async { client.batch_execute("ROLLBACK").await.unwrap() });
+    // As if the engine died between the replay's publish and its delete: the dead letter stays,
+    // and replaying it again publishes a copy the stream drops (same `Nats-Msg-Id`).
+    fail::cfg("dlq.keep_after_replay", "return").unwrap();
+    let replay = || admin(&engine, &["dlq", "replay", "--seq", &seq(&contended)]);
+    let (status, first) = replay();
+    assert_eq!((status, first["duplicate"].as_bool()), (Ok(0), Some(false)), "{first}");
+    let (status, second) = replay();
+    assert_eq!((status, second["duplicate"].as_bool()), (Ok(0), Some(true)), "{second}");
+    fail::remove("dlq.keep_after_replay");
+    let (status, out) = replay();
+    assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("REPLAYED")), "{out}");
+    assert_eq!(out["duplicate"], true, "{out}");
+    let (status, out) = admin(&engine, &["dlq", "replay", "--seq", &seq(&contended)]);
+    assert_eq!((status, out["reason_code"].as_str()), (Ok(1), Some("NO_SUCH_DEAD_LETTER")));
+    wait_for_ms("the replayed message becomes the order", 20_000, || {
+        let (_, v) = engine.query(&mut c, 7, SHORT.0, SHORT.1, "dlq-1");
+        assert_ne!(state(&v), "FAILED", "{v}");
+        state(&v) == "SUCCEEDED"
+    });
+    assert_eq!(dlq_list()["count"], 0);
+
+    // Bad input: a clear error.
+    let mut admin_http = HttpClient::connect(engine.admin());
+    let resp =
+        admin_http.request("POST", "/admin/v1/dlq/abc", None, Some(r#"{"action":"replay"}"#));
+    assert_eq!((resp.status, resp.json()["reason_code"].as_str()), (400, Some("SEQUENCE_INVALID")));
+    let resp = admin_http.request("POST", "/admin/v1/dlq/1", None, Some(r#"{"action":"burn"}"#));
+    assert_eq!((resp.status, resp.json()["reason_code"].as_str()), (400, Some("ACTION_INVALID")));
+    let resp = admin_http.request("GET", "/admin/v1/dlq?after=x", None, None);
+    assert_eq!((resp.status, resp.json()["reason_code"].as_str()), (400, Some("QUERY_INVALID")));
+
+    let orders =
+        pg_count(&engine, &format!("SELECT count(*) FROM orders WHERE sku_id = {}", SHORT.1));
+    assert_eq!(orders, 1);
+    drop(client);
+    runtime.block_on(async {
+        let _ = driver.await;
+    });
+    engine.assert_reconciled(SHORT.0, SHORT.1);
 }
