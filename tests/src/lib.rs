@@ -502,6 +502,21 @@ impl Engine {
         Peer { handle: Some(serve::start(config).expect("peer engine starts")) }
     }
 
+    /// The one integer (`count(*)`, ...) that `sql` selects from this engine's database.
+    pub fn pg_count(&self, sql: &str) -> i64 {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let (client, conn) =
+                tokio_postgres::connect(&self.db.url, tokio_postgres::NoTls).await.unwrap();
+            let driver = tokio::spawn(conn);
+            let n: i64 =
+                client.query_one(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e}")).get(0);
+            drop(client);
+            let _ = driver.await;
+            n
+        })
+    }
+
     /// Checks DESIGN.md section 8's PostgreSQL invariants of one SKU; panics with the report.
     pub fn assert_invariants(&self, activity: u64, sku: u64) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

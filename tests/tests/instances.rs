@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 
 use flashsale_engine::logic::ids::InstanceId;
 use flashsale_engine::logic::modes::{control_key, sign, Mode, ModeSnapshot, Scope};
-use flashsale_tests::{metric, redis_cmd, state, wait_for_ms, Engine, Haproxy, HttpClient, Peer};
+use flashsale_tests::{
+    metric, redis_cmd, serve_config, small_worker, state, wait_for_ms, Engine, Haproxy, HttpClient,
+    Peer,
+};
 
 const CONTROL: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
@@ -283,10 +286,11 @@ fn fast_path(metrics: &str) -> u64 {
 /// fast path answers SOLD_OUT), a compensation returns the unit through whichever instance's
 /// `redis-sync` pulls it, and the other instance stops answering SOLD_OUT from its fast path
 /// within the notice's delivery (`seckill.notice.stock_returned.<a>.<s>`), not its periodic
-/// stock re-check, which is set out of reach here (10 min).
+/// stock re-check, which is set out of reach here (10 min). The unit comes back the real way:
+/// no order-writer runs until the reservation has expired (1 s), then one does and rejects it
+/// as expired, and redis-sync compensates.
 #[test]
 fn stock_returned_on_one_instance_clears_the_other_instances_sold_out_flag() {
-    use flashsale_io::wire::{RejectReason, ReservationEvent};
     let sku = (41, 42);
     let tune = |c: &mut flashsale_engine::app::serve::ServeConfig| {
         c.edge.partition.stock_recheck_ms = 600_000;
@@ -300,13 +304,16 @@ fn stock_returned_on_one_instance_clears_the_other_instances_sold_out_flag() {
         c.edge.instance_id = instance("sell-b");
     });
     let proxy = Haproxy::round_robin(&[a.http(), b.http()]);
-    a.create_activity(sku.0, sku.1, 1);
+    a.create_activity_with(&format!(
+        r#"{{"activity_id":{},"sku_id":{},"stock":1,"reservation_ttl_ms":1000}}"#,
+        sku.0, sku.1
+    ));
     let metrics_of = |who: &str| if who == "sell-a" { a.metrics() } else { b.metrics() };
     // Sell out through the balancer; then buyers until both instances answer from their
     // fast path (each instance's owner learns "sold out" from its own Redis answer).
     let (_, won, v) = submit_via(&a, &mut HttpClient::connect(proxy.addr), 1, sku);
+    let reserved = Instant::now();
     assert_eq!(won, "QUEUED", "{v}");
-    let resv = v["reservation_id"].as_str().unwrap().to_owned();
     let mut user = 100;
     let mut fast = std::collections::HashSet::new();
     wait_for_ms("both instances answer SOLD_OUT from their fast path", 10_000, || {
@@ -320,9 +327,10 @@ fn stock_returned_on_one_instance_clears_the_other_instances_sold_out_flag() {
         }
         fast.len() == 2
     });
-    // The unit comes back: the reservation expired in PostgreSQL (a compensate event).
-    let message = a.order_create_of(sku.0, sku.1, &resv, 1, "u-1");
-    a.publish_event(1, &ReservationEvent::rejected(&message, RejectReason::Expired, 0));
+    // The unit comes back: past its expiry, the order-writer rejects the reservation.
+    std::thread::sleep(Duration::from_millis(1_200).saturating_sub(reserved.elapsed()));
+    let config = serve_config(a.redis.addr(), &a.nats.url(), &a.db.url);
+    let worker = flashsale_pg_worker::worker::start(small_worker(&config)).expect("worker starts");
     let compensations = |m: &str| metric(m, "flashsale_compensations_total");
     let mut compensated_by = String::new();
     wait_for_ms("one instance applies the compensation", 10_000, || {
@@ -356,8 +364,19 @@ fn stock_returned_on_one_instance_clears_the_other_instances_sold_out_flag() {
         "compensated by {compensated_by}; {other} stopped answering SOLD_OUT from its fast path \
          {cleared_ms} ms later ({probes} probes; its stock re-check period is 600 s)"
     );
+    // A probe that took the unit back may expire too (1 s TTL): drain, then count exactly.
+    wait_for_ms("every reservation has its outcome", 20_000, || {
+        redis_cmd(&a.redis, &["ZCARD", "seckill:{41:42}:resv:pending"]) == "0"
+    });
+    worker.shutdown().expect("worker stops");
+    let expired = a.pg_count(
+        "SELECT count(*) FROM inventory_reservation \
+         WHERE sku_id = 42 AND status = 'REJECTED_EXPIRED'",
+    );
     let total = compensations(&a.metrics()) + compensations(&b.metrics());
-    assert_eq!(total, 1, "the compensation applied once across the instances");
-    let stock: i64 = redis_cmd(&a.redis, &["GET", "seckill:{41:42}:stock"]).parse().unwrap();
-    assert!((0..=1).contains(&stock), "stock {stock}");
+    assert_eq!(
+        total as i64, expired,
+        "each expired reservation compensated once across the instances"
+    );
+    a.assert_reconciled(sku.0, sku.1);
 }

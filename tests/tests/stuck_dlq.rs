@@ -96,19 +96,6 @@ fn ids(listed: &serde_json::Value) -> Vec<String> {
     entries.iter().map(|e| e["reservation_id"].as_str().unwrap().to_owned()).collect()
 }
 
-fn pg_count(engine: &Engine, sql: &str) -> i64 {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    runtime.block_on(async {
-        let (client, conn) =
-            tokio_postgres::connect(&engine.db.url, tokio_postgres::NoTls).await.unwrap();
-        let driver = tokio::spawn(conn);
-        let n: i64 = client.query_one(sql, &[]).await.unwrap().get(0);
-        drop(client);
-        let _ = driver.await;
-        n
-    })
-}
-
 #[test]
 fn stuck_reservations_are_listed_and_resolved_once_each_way_while_their_messages_are_in_flight() {
     let engine = engine();
@@ -196,12 +183,10 @@ fn stuck_reservations_are_listed_and_resolved_once_each_way_while_their_messages
     assert_eq!(stock(&engine, SHORT), STOCK);
     assert_eq!(stock(&engine, LONG), STOCK - 2);
     let orders = |sku: (u64, u64)| {
-        pg_count(&engine, &format!("SELECT count(*) FROM orders WHERE sku_id = {}", sku.1))
+        engine.pg_count(&format!("SELECT count(*) FROM orders WHERE sku_id = {}", sku.1))
     };
     assert_eq!((orders(SHORT), orders(LONG)), (0, 2));
-    let expired = pg_count(
-        &engine,
-        &format!(
+    let expired = engine.pg_count(&format!(
             "SELECT count(*) FROM inventory_reservation WHERE sku_id = {} AND status = 'REJECTED_EXPIRED'",
             SHORT.1
         ),
@@ -365,7 +350,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
     assert_eq!((resp.status, resp.json()["reason_code"].as_str()), (400, Some("QUERY_INVALID")));
 
     let orders =
-        pg_count(&engine, &format!("SELECT count(*) FROM orders WHERE sku_id = {}", SHORT.1));
+        engine.pg_count(&format!("SELECT count(*) FROM orders WHERE sku_id = {}", SHORT.1));
     assert_eq!(orders, 1);
     drop(client);
     runtime.block_on(async {
