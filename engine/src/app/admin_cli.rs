@@ -252,22 +252,27 @@ fn reconcile(client: &AdminClient, sku: &SkuArgs, out: &mut dyn Write) -> anyhow
 }
 
 fn refunds(client: &AdminClient, out: &mut dyn Write) -> anyhow::Result<u8> {
-    let answer = client.get_json("/admin/v1/refunds")?;
+    print_listing(client, "/admin/v1/refunds", "refunds", out)
+}
+
+/// `GET path`, printed; exit 0 on 200, an error naming `what` otherwise.
+fn print_listing(
+    client: &AdminClient,
+    path: &str,
+    what: &str,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let answer = client.get_json(path)?;
     writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
     if answer.status != 200 {
-        bail!("the engine could not list refunds ({})", answer.status);
+        bail!("the engine could not list {what} ({})", answer.status);
     }
     Ok(0)
 }
 
 fn stuck_list(client: &AdminClient, sku: &SkuArgs, out: &mut dyn Write) -> anyhow::Result<u8> {
     let path = format!("/admin/v1/activities/{}/skus/{}/stuck", sku.activity, sku.sku);
-    let answer = client.get_json(&path)?;
-    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
-    if answer.status != 200 {
-        bail!("the engine could not list stuck reservations ({})", answer.status);
-    }
-    Ok(0)
+    print_listing(client, &path, "stuck reservations", out)
 }
 
 fn stuck_resolve(
@@ -286,12 +291,7 @@ fn stuck_resolve(
 }
 
 fn dlq_list(client: &AdminClient, after: u64, out: &mut dyn Write) -> anyhow::Result<u8> {
-    let answer = client.get_json(&format!("/admin/v1/dlq?after={after}"))?;
-    writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
-    if answer.status != 200 {
-        bail!("the engine could not list dead letters ({})", answer.status);
-    }
-    Ok(0)
+    print_listing(client, &format!("/admin/v1/dlq?after={after}"), "dead letters", out)
 }
 
 fn dlq_act(
