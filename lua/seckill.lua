@@ -521,9 +521,45 @@ local function preheat(keys, args)
   return { 'APPLIED', version }
 end
 
+-- ---------------------------------------------------------------------------------------------
+-- top_up: raise a SKU's stock by the units PostgreSQL just created for it (an operator's
+-- top-up, `pg-worker/src/lifecycle.rs`).
+--
+-- KEYS: 1 meta, 2 stock, 3 soldout
+-- ARGV: 1 add (>= 1), 2 version (the SKU's PostgreSQL version after this top-up, >= 1)
+-- Reply: [code, stock] where stock is the integer stock after the call
+--   APPLIED  meta field `topup:<version>` was absent: HSET it to add, INCRBY stock add,
+--            DEL soldout when stock > 0
+--   ALREADY  `topup:<version>` exists: this top-up was applied before; nothing changed
+--   NO_META  the SKU was never preheated: nothing changed (a top-up needs a live SKU)
+-- Invariants: each top-up (one PostgreSQL version) raises stock exactly once, whatever the
+-- order in which concurrent top-ups arrive (one field per version, not a high-water mark);
+-- stock only grows here.
+-- Complexity: O(1).
+-- ---------------------------------------------------------------------------------------------
+local function top_up(keys, args)
+  if #keys ~= 3 or #args ~= 2 then return bad('arity') end
+  local add, version = uint(args[1]), uint(args[2])
+  if not add or add < 1 then return bad('add') end
+  if not version or version < 1 then return bad('version') end
+  local p = prefix_of(keys[1], 'meta')
+  if not p or keys[2] ~= p .. 'stock' or keys[3] ~= p .. 'soldout' then return bad('keys') end
+
+  if redis.call('EXISTS', keys[1]) == 0 then
+    return { 'NO_META', tonumber(redis.call('GET', keys[2])) or 0 }
+  end
+  if redis.call('HSETNX', keys[1], 'topup:' .. args[2], args[1]) == 0 then
+    return { 'ALREADY', tonumber(redis.call('GET', keys[2])) or 0 }
+  end
+  local stock = redis.call('INCRBY', keys[2], add)
+  if stock > 0 then redis.call('DEL', keys[3]) end
+  return { 'APPLIED', stock }
+end
+
 redis.register_function('reserve', reserve)
 redis.register_function('mark_sent', mark_sent)
 redis.register_function('claim_due', claim_due)
 redis.register_function('apply_result', apply_result)
 redis.register_function('compensate', compensate)
 redis.register_function('preheat', preheat)
+redis.register_function('top_up', top_up)

@@ -7,7 +7,6 @@
 use tokio_postgres::Client;
 
 use crate::error::PgError;
-use crate::tokens::generate_tokens;
 
 /// Which allocator the order-writer uses for a SKU (CONTRACT.md 7, `sku_inventory.allocator`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,16 +115,13 @@ pub async fn create_activity(
             CreateActivity::Conflict
         });
     }
-    let available: Option<i64> = (spec.allocator == Allocator::Row).then_some(spec.stock);
-    tx.execute(
-        "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, available_stock) \
-         VALUES ($1, $2, $3, $4, $5)",
-        &[&spec.activity_id, &spec.sku_id, &spec.stock, &spec.allocator.as_str(), &available],
-    )
-    .await?;
-    if spec.allocator == Allocator::Token {
-        generate_tokens(&tx, spec.activity_id, spec.sku_id, spec.stock).await?;
-    }
+    let sku = crate::lifecycle::SkuSpec {
+        activity_id: spec.activity_id,
+        sku_id: spec.sku_id,
+        stock: spec.stock,
+        allocator: spec.allocator,
+    };
+    crate::lifecycle::insert_sku(&tx, &sku).await?;
     tx.commit().await?;
     Ok(CreateActivity::Created)
 }

@@ -16,7 +16,9 @@
 //!   `WorkerHandle`), used by `flashsale serve` and `flashsale worker`;
 //!   `batching`: the sans-I/O size of each pull (the batch follows the backlog);
 //! - `pool`: the connection pool (multi-host URLs); `sql`: the statements;
-//! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7).
+//! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7);
+//! - `edge`, `lifecycle`: what the admin plane asks of PostgreSQL (activities created, SKUs
+//!   added, ended, terminated, topped up).
 //!
 //! What it is not: the edge (no Redis, no HTTP), nor the JetStream client (the
 //! `io` crate's `log`, which this crate drives).
@@ -31,6 +33,7 @@ pub mod batching;
 pub mod classify;
 pub mod edge;
 pub mod error;
+pub mod lifecycle;
 pub mod migrate;
 pub mod order_writer;
 pub mod outbox;

@@ -70,6 +70,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "payment_status",
         sql: include_str!("../migrations/0005_payment_status.sql"),
     },
+    Migration {
+        version: 6,
+        name: "lifecycle",
+        sql: include_str!("../migrations/0006_lifecycle.sql"),
+    },
 ];
 
 // A malformed list is a build defect: catch it at compile time.

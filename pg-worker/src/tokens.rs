@@ -35,6 +35,13 @@ pub const GENERATE_TOKENS_SQL: &str = "\
     FROM generate_series(1::bigint, $3::bigint) AS n \
     ON CONFLICT (token_id) DO NOTHING";
 
+/// Tokens `$3 + 1 ..= $3 + $4` of SKU (`$1`, `$2`): a top-up after `$3` existing ones.
+pub const GENERATE_MORE_TOKENS_SQL: &str = "\
+    INSERT INTO inventory_token (token_id, activity_id, sku_id, seq, status, updated_at) \
+    SELECT 'tok_' || $1::bigint || '_' || $2::bigint || '_' || n, $1, $2, n, 'AVAILABLE', now() \
+    FROM generate_series($3::bigint + 1, $3::bigint + $4::bigint) AS n \
+    ON CONFLICT (token_id) DO NOTHING";
+
 /// Claims one AVAILABLE token of SKU (`$1`, `$2`) for reservation `$3`,
 /// returning its id, or no row when none is free to lock right now.
 ///

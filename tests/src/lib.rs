@@ -502,6 +502,21 @@ impl Engine {
         Peer { handle: Some(serve::start(config).expect("peer engine starts")) }
     }
 
+    /// `flashsale admin <args>` against this engine, through `admin_cli::run` (what `main`
+    /// calls): (exit status or the error, what it printed as JSON, or as text).
+    pub fn admin_cli(&self, args: &[&str]) -> (Result<u8, String>, serde_json::Value) {
+        let addr = self.admin().to_string();
+        let mut argv = vec!["admin", "--admin-addr", &addr, "--stack-dir", "/nonexistent"];
+        argv.extend_from_slice(args);
+        let parsed = flashsale_engine::app::admin_cli::parse_from(argv).unwrap();
+        let mut out = Vec::new();
+        let status = flashsale_engine::app::admin_cli::run(parsed, &Default::default(), &mut out)
+            .map_err(|e| e.to_string());
+        let out = String::from_utf8(out).unwrap();
+        let json = serde_json::from_str(&out).unwrap_or(serde_json::Value::String(out));
+        (status, json)
+    }
+
     /// The one integer (`count(*)`, ...) that `sql` selects from this engine's database.
     pub fn pg_count(&self, sql: &str) -> i64 {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

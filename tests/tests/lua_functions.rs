@@ -17,7 +17,7 @@ use flashsale_io::redis::script::{
     load_library, ActivityInvalidReason, ApplyResultArgs, ApplyResultReply, ClaimDueArgs,
     ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions, MarkSentArgs,
     MarkSentReply, PendingStatus, PreheatArgs, PreheatReply, RequestState, ReserveArgs,
-    ReserveReply, ScriptError, SkuKeys,
+    ReserveReply, ScriptError, SkuKeys, TopUpArgs, TopUpReply,
 };
 use flashsale_io::redis::{RedisClient, RedisConfig};
 use flashsale_io::resp::Reply;
@@ -744,6 +744,33 @@ fn claim_due_respects_the_batch_bound() {
         assert_eq!(claim(&f, now + 60_000, 512).await.unwrap().claimed.len(), 5);
         assert_bad_arg(claim(&f, now, 513).await, "batch_max");
         assert_bad_arg(claim(&f, now, 0).await, "batch_max");
+    });
+}
+
+// ---- top_up ----------------------------------------------------------------------------------
+
+#[test]
+fn top_up_raises_stock_once_per_version_in_any_order_and_clears_soldout() {
+    with_redis(|f| async move {
+        let top_up = |add: u64, version: u64| {
+            let f = &f;
+            async move { f.top_up(&keys(), &TopUpArgs { add, version }).await }
+        };
+        assert_eq!(top_up(2, 2).await.unwrap(), TopUpReply::NoMeta, "never preheated");
+        assert_eq!(stock(&f).await, None);
+        preheat(&f, ActivityStatus::Active, 1, 1).await;
+        reserve_n(&f, 1).await;
+        assert!(exists(&f, &key("soldout")).await, "the last unit sold");
+        // Version 3 arrives before version 2: both apply, each once.
+        assert_eq!(top_up(5, 3).await.unwrap(), TopUpReply::Applied { stock_after: 5 });
+        assert!(!exists(&f, &key("soldout")).await, "stock back: not sold out");
+        assert_eq!(top_up(2, 2).await.unwrap(), TopUpReply::Applied { stock_after: 7 });
+        assert_eq!(top_up(5, 3).await.unwrap(), TopUpReply::Already { stock: 7 });
+        assert_eq!(top_up(2, 2).await.unwrap(), TopUpReply::Already { stock: 7 });
+        assert_eq!(stock(&f).await, Some(7));
+        assert_bad_arg(top_up(0, 4).await, "add");
+        assert_bad_arg(top_up(1, 0).await, "version");
+        assert_eq!(stock(&f).await, Some(7), "bad input wrote nothing");
     });
 }
 

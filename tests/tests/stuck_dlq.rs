@@ -13,7 +13,6 @@
 
 use std::time::Duration;
 
-use flashsale_engine::app::admin_cli;
 use flashsale_engine::shard::scanner::ScannerConfig;
 use flashsale_tests::{
     redis_cmd, serve_config, small_worker, state, wait_for_ms, Engine, HttpClient,
@@ -58,22 +57,9 @@ fn stock(engine: &Engine, sku: (u64, u64)) -> u64 {
     redis_cmd(&engine.redis, &["GET", &key(sku, "stock")]).parse().unwrap()
 }
 
-/// `flashsale admin <args>` against `engine`: (exit status or error, what it printed).
-fn admin(engine: &Engine, args: &[&str]) -> (Result<u8, String>, serde_json::Value) {
-    let addr = engine.admin().to_string();
-    let mut argv = vec!["admin", "--admin-addr", &addr, "--stack-dir", "/nonexistent"];
-    argv.extend_from_slice(args);
-    let parsed = admin_cli::parse_from(argv).unwrap();
-    let mut out = Vec::new();
-    let status = admin_cli::run(parsed, &Default::default(), &mut out).map_err(|e| e.to_string());
-    let out = String::from_utf8(out).unwrap();
-    let json = serde_json::from_str(&out).unwrap_or(serde_json::Value::String(out));
-    (status, json)
-}
-
 fn list(engine: &Engine, (activity, sku): (u64, u64)) -> serde_json::Value {
     let (a, s) = (activity.to_string(), sku.to_string());
-    let (status, out) = admin(engine, &["stuck", "list", "--activity", &a, "--sku", &s]);
+    let (status, out) = engine.admin_cli(&["stuck", "list", "--activity", &a, "--sku", &s]);
     assert_eq!(status, Ok(0), "{out}");
     out
 }
@@ -88,7 +74,7 @@ fn resolve(
     let args = ["stuck", "resolve", "--activity", &a, "--sku", &s, "--reservation", reservation];
     let mut argv = args.to_vec();
     argv.push(action);
-    admin(engine, &argv)
+    engine.admin_cli(&argv)
 }
 
 fn ids(listed: &serde_json::Value) -> Vec<String> {
@@ -264,7 +250,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
     });
 
     let dlq_list = || {
-        let (status, out) = admin(&engine, &["dlq", "list"]);
+        let (status, out) = engine.admin_cli(&["dlq", "list"]);
         assert_eq!(status, Ok(0), "{out}");
         out
     };
@@ -291,7 +277,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
     let seq = |letter: &serde_json::Value| letter["sequence"].as_u64().unwrap().to_string();
 
     // Unfixed, a replay goes round again: a new dead letter, the old one gone.
-    let (status, out) = admin(&engine, &["dlq", "replay", "--seq", &seq(&poison)]);
+    let (status, out) = engine.admin_cli(&["dlq", "replay", "--seq", &seq(&poison)]);
     assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("REPLAYED")), "{out}");
     wait_for_ms("the replayed poison dead-lettered again", 20_000, || {
         let listed = dlq_list();
@@ -308,9 +294,9 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
         .find(|l| l["body"].as_str().unwrap_or("").contains("schema_version\":99"))
         .unwrap();
     assert_eq!(again.len(), 2, "{again:?}");
-    let (status, out) = admin(&engine, &["dlq", "discard", "--seq", &seq(poison_again)]);
+    let (status, out) = engine.admin_cli(&["dlq", "discard", "--seq", &seq(poison_again)]);
     assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("DISCARDED")), "{out}");
-    let (status, out) = admin(&engine, &["dlq", "discard", "--seq", &seq(poison_again)]);
+    let (status, out) = engine.admin_cli(&["dlq", "discard", "--seq", &seq(poison_again)]);
     assert_eq!((status, out["reason_code"].as_str()), (Ok(1), Some("NO_SUCH_DEAD_LETTER")));
 
     // The buyer is still queued: nothing decided them.
@@ -321,7 +307,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
     // As if the engine died between the replay's publish and its delete: the dead letter stays,
     // and replaying it again publishes a copy the stream drops (same `Nats-Msg-Id`).
     fail::cfg("dlq.keep_after_replay", "return").unwrap();
-    let replay = || admin(&engine, &["dlq", "replay", "--seq", &seq(&contended)]);
+    let replay = || engine.admin_cli(&["dlq", "replay", "--seq", &seq(&contended)]);
     let (status, first) = replay();
     assert_eq!((status, first["duplicate"].as_bool()), (Ok(0), Some(false)), "{first}");
     let (status, second) = replay();
@@ -330,7 +316,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
     let (status, out) = replay();
     assert_eq!((status, out["resolution"].as_str()), (Ok(0), Some("REPLAYED")), "{out}");
     assert_eq!(out["duplicate"], true, "{out}");
-    let (status, out) = admin(&engine, &["dlq", "replay", "--seq", &seq(&contended)]);
+    let (status, out) = engine.admin_cli(&["dlq", "replay", "--seq", &seq(&contended)]);
     assert_eq!((status, out["reason_code"].as_str()), (Ok(1), Some("NO_SUCH_DEAD_LETTER")));
     wait_for_ms("the replayed message becomes the order", 20_000, || {
         let (_, v) = engine.query(&mut c, 7, SHORT.0, SHORT.1, "dlq-1");

@@ -16,6 +16,9 @@
 //!   --sku S --reservation R (--republish | --compensate)`: `POST
 //!   /admin/v1/activities/{a}/skus/{s}/stuck/{r}` (`shard/stuck.rs` says when each is allowed);
 //!   exit 0 when the engine took the decision.
+//! - `flashsale admin activity add-sku|end|terminate|top-up|release-policy ...`: the
+//!   lifecycle routes of CONTRACT.md section 4 (`shard/lifecycle.rs`); exit 0 when the engine
+//!   applied the change or had applied it before.
 //! - `flashsale admin dlq list [--after SEQ]`: dead letters, oldest first; `flashsale admin dlq
 //!   replay --seq N` / `discard --seq N`: `POST /admin/v1/dlq/{n}` (`shard/dlq.rs`); exit 0
 //!   when done.
@@ -83,6 +86,74 @@ pub enum AdminCommand {
     /// Dead letters (`SECKILL_DLQ`): list, replay one to where it came from, or discard one.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// An activity's life: add a SKU, end or terminate (an activity or one SKU), top up
+    /// stock, set the release policy. Each change is versioned and recorded with `--actor`.
+    #[command(subcommand)]
+    Activity(ActivityCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ActivityCommand {
+    /// Add a SKU with its stock to an existing activity (idempotent for the same values).
+    AddSku(AddSkuArgs),
+    /// No new submissions; reservations in flight still become orders.
+    End(ScopeArgs),
+    /// No new submissions; reservations in flight are rejected and their units returned.
+    Terminate(ScopeArgs),
+    /// Add units to a SKU (new tokens, then Redis stock); `--request-id` makes a retry safe.
+    TopUp(TopUpArgs),
+    /// What a cancelled or closed order's unit becomes: BACK_TO_SALE or RELEASED.
+    ReleasePolicy(ReleasePolicyArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct AddSkuArgs {
+    #[command(flatten)]
+    pub sku: SkuArgs,
+    #[arg(long)]
+    pub stock: u64,
+    /// TOKEN (the default) or ROW.
+    #[arg(long)]
+    pub allocator: Option<String>,
+    /// Who makes the change (recorded in PostgreSQL).
+    #[arg(long, default_value = "flashsale-admin")]
+    pub actor: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ScopeArgs {
+    #[arg(long)]
+    pub activity: u64,
+    /// Only this SKU (default: the whole activity).
+    #[arg(long)]
+    pub sku: Option<u64>,
+    #[arg(long, default_value = "flashsale-admin")]
+    pub actor: String,
+}
+
+#[derive(Debug, Args)]
+pub struct TopUpArgs {
+    #[command(flatten)]
+    pub sku: SkuArgs,
+    /// Units to add.
+    #[arg(long)]
+    pub add: u64,
+    /// The same id again is the same top-up (default: a fresh one, printed in the answer).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    #[arg(long, default_value = "flashsale-admin")]
+    pub actor: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ReleasePolicyArgs {
+    #[arg(long)]
+    pub activity: u64,
+    /// BACK_TO_SALE or RELEASED.
+    #[arg(long)]
+    pub policy: String,
+    #[arg(long, default_value = "flashsale-admin")]
+    pub actor: String,
 }
 
 #[derive(Debug, Subcommand)]
@@ -232,6 +303,7 @@ pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8
         AdminCommand::Stuck(StuckCommand::Resolve(resolve)) => {
             stuck_resolve(&client, resolve, out)?
         }
+        AdminCommand::Activity(command) => activity(&client, command, out)?,
         AdminCommand::Dlq(DlqCommand::List { after }) => dlq_list(&client, *after, out)?,
         AdminCommand::Dlq(DlqCommand::Replay(seq)) => dlq_act(&client, seq.seq, "replay", out)?,
         AdminCommand::Dlq(DlqCommand::Discard(seq)) => dlq_act(&client, seq.seq, "discard", out)?,
@@ -288,6 +360,51 @@ fn stuck_resolve(
     let answer = client.post_json(&path, &json!({ "action": action }))?;
     writeln!(out, "{}", serde_json::to_string_pretty(&answer.body)?)?;
     Ok(if answer.status == 202 { 0 } else { 1 })
+}
+
+fn activity(
+    client: &AdminClient,
+    command: &ActivityCommand,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let scope_path = |scope: &ScopeArgs, what: &str| match scope.sku {
+        Some(sku) => format!("/admin/v1/activities/{}/skus/{sku}/{what}", scope.activity),
+        None => format!("/admin/v1/activities/{}/{what}", scope.activity),
+    };
+    let (path, body) = match command {
+        ActivityCommand::AddSku(a) => {
+            let mut body = json!({"sku_id": a.sku.sku, "stock": a.stock, "actor": a.actor});
+            if let Some(allocator) = &a.allocator {
+                body["allocator"] = json!(allocator);
+            }
+            (format!("/admin/v1/activities/{}/skus", a.sku.activity), body)
+        }
+        ActivityCommand::End(scope) => (scope_path(scope, "end"), json!({"actor": scope.actor})),
+        ActivityCommand::Terminate(scope) => {
+            (scope_path(scope, "terminate"), json!({"actor": scope.actor}))
+        }
+        ActivityCommand::TopUp(t) => {
+            let request_id = t
+                .request_id
+                .clone()
+                .unwrap_or_else(|| format!("topup-{}", crate::logic::clock::now_ms()));
+            (
+                format!("/admin/v1/activities/{}/skus/{}/stock", t.sku.activity, t.sku.sku),
+                json!({"add": t.add, "request_id": request_id, "actor": t.actor}),
+            )
+        }
+        ActivityCommand::ReleasePolicy(p) => (
+            format!("/admin/v1/activities/{}/release-policy", p.activity),
+            json!({"release_policy": p.policy, "actor": p.actor}),
+        ),
+    };
+    let answer = client.post_json(&path, &body)?;
+    let mut printed = answer.body.clone();
+    if let (ActivityCommand::TopUp(_), Some(map)) = (command, printed.as_object_mut()) {
+        map.insert("request_id".into(), body["request_id"].clone());
+    }
+    writeln!(out, "{}", serde_json::to_string_pretty(&printed)?)?;
+    Ok(if matches!(answer.status, 200 | 201) { 0 } else { 1 })
 }
 
 fn dlq_list(client: &AdminClient, after: u64, out: &mut dyn Write) -> anyhow::Result<u8> {

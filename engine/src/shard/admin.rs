@@ -145,6 +145,12 @@ async fn route(shard: &Rc<Shard>, request: &Request<'_>, body: &[u8]) -> (Status
             }
             None => not_found(),
         },
+        (Method::Post, path) if path.starts_with("/admin/v1/activities/") => {
+            match crate::shard::lifecycle::route(shard, path, body).await {
+                Some(answer) => answer,
+                None => not_found(),
+            }
+        }
         (Method::Get, path) if path.starts_with("/admin/v1/activities/") => {
             match parse_sku_path(path) {
                 Some(key) => sku_status(shard, key).await,

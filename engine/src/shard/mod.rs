@@ -20,6 +20,7 @@ pub mod admin;
 pub mod conn;
 pub mod dlq;
 pub mod failover;
+pub mod lifecycle;
 pub mod orders;
 pub mod publish;
 pub mod query;

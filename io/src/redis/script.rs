@@ -510,6 +510,23 @@ pub enum PreheatReply {
     },
 }
 
+/// `top_up`: the units of one PostgreSQL top-up (`version` = the SKU's version after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopUpArgs {
+    pub add: u64,
+    pub version: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopUpReply {
+    /// Stock raised; the stock after it.
+    Applied { stock_after: i64 },
+    /// This version was applied before: nothing changed.
+    Already { stock: i64 },
+    /// The SKU was never preheated: nothing changed.
+    NoMeta,
+}
+
 // ---------------------------------------------------------------------------------------------
 // Calls
 // ---------------------------------------------------------------------------------------------
@@ -858,6 +875,25 @@ impl Functions {
             .await?;
         parse_preheat(reply)
     }
+
+    pub async fn top_up(
+        &self,
+        keys: &SkuKeys,
+        args: &TopUpArgs,
+    ) -> Result<TopUpReply, ScriptError> {
+        let add = U64Text::new(args.add);
+        let version = U64Text::new(args.version);
+        let (reply, _plain) = self
+            .fcall(
+                keys.slot(),
+                Lane::Plain,
+                "top_up",
+                &[keys.meta.as_bytes(), keys.stock.as_bytes(), keys.soldout.as_bytes()],
+                &[add.as_bytes(), version.as_bytes()],
+            )
+            .await?;
+        parse_top_up(reply)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1086,6 +1122,18 @@ pub fn parse_preheat(reply: Reply) -> Result<PreheatReply, ScriptError> {
         (Some("APPLIED"), Some(version)) => Ok(PreheatReply::Applied { version }),
         (Some("STALE"), Some(current_version)) => Ok(PreheatReply::Stale { current_version }),
         _ => Err(unexpected(F, "code or version", &reply)),
+    }
+}
+
+pub fn parse_top_up(reply: Reply) -> Result<TopUpReply, ScriptError> {
+    const F: &str = "top_up";
+    let items = array(F, &reply, 2)?;
+    let stock = items[1].as_int();
+    match (text(&items[0]), stock) {
+        (Some("APPLIED"), Some(stock_after)) => Ok(TopUpReply::Applied { stock_after }),
+        (Some("ALREADY"), Some(stock)) => Ok(TopUpReply::Already { stock }),
+        (Some("NO_META"), Some(_)) => Ok(TopUpReply::NoMeta),
+        _ => Err(unexpected(F, "code or stock", &reply)),
     }
 }
 
@@ -1394,7 +1442,9 @@ mod tests {
     #[test]
     fn library_header_names_the_library() {
         assert!(LIBRARY.starts_with(&format!("#!lua name={LIBRARY_NAME}\n")));
-        for f in ["reserve", "mark_sent", "claim_due", "apply_result", "compensate", "preheat"] {
+        for f in
+            ["reserve", "mark_sent", "claim_due", "apply_result", "compensate", "preheat", "top_up"]
+        {
             assert!(
                 LIBRARY.contains(&format!("redis.register_function('{f}', {f})")),
                 "{f} not registered"
