@@ -203,6 +203,22 @@ pub async fn insert_sku(client: &impl GenericClient, spec: &SkuSpec) -> Result<(
     Ok(())
 }
 
+/// Locks the activity row: every change of an activity or of one of its SKUs takes it first,
+/// so changes of one activity are serialized and each reads the versions the previous one
+/// committed (two concurrent changes can never hand Redis the same `meta_version` for
+/// different states). `None`: no such activity.
+async fn lock_activity(
+    client: &impl GenericClient,
+    activity_id: i64,
+) -> Result<Option<tokio_postgres::Row>, PgError> {
+    Ok(client
+        .query_opt(
+            "SELECT status, release_policy FROM activity WHERE activity_id = $1 FOR UPDATE",
+            &[&activity_id],
+        )
+        .await?)
+}
+
 /// Adds a SKU with `stock` units to an existing, not yet ended activity.
 pub async fn add_sku(client: &mut Client, spec: &SkuSpec, actor: &str) -> Result<Change, PgError> {
     check_actor(actor)?;
@@ -210,13 +226,9 @@ pub async fn add_sku(client: &mut Client, spec: &SkuSpec, actor: &str) -> Result
         return Err(PgError::InvalidArgument("stock must be within 0..=TOKENS_PER_SKU_MAX"));
     }
     let tx = client.transaction().await?;
-    let activity = tx
-        .query_opt(
-            "SELECT status FROM activity WHERE activity_id = $1 FOR UPDATE",
-            &[&spec.activity_id],
-        )
-        .await?;
-    let Some(activity) = activity else { return Ok(Change::NotFound) };
+    let Some(activity) = lock_activity(&tx, spec.activity_id).await? else {
+        return Ok(Change::NotFound);
+    };
     let hash = spec.config_hash();
     let existing = tx
         .query_opt(
@@ -272,14 +284,11 @@ pub async fn close(
 ) -> Result<Change, PgError> {
     check_actor(actor)?;
     let tx = client.transaction().await?;
+    let Some(activity) = lock_activity(&tx, activity_id).await? else {
+        return Ok(Change::NotFound);
+    };
     let current = match sku_id {
-        None => {
-            tx.query_opt(
-                "SELECT status FROM activity WHERE activity_id = $1 FOR UPDATE",
-                &[&activity_id],
-            )
-            .await?
-        }
+        None => Some(activity),
         Some(sku_id) => {
             tx.query_opt(
                 "SELECT status FROM sku_inventory WHERE activity_id = $1 AND sku_id = $2 \
@@ -358,6 +367,9 @@ pub async fn top_up(
         return Err(PgError::InvalidArgument("a top-up adds at least one unit"));
     }
     let tx = client.transaction().await?;
+    if lock_activity(&tx, activity_id).await?.is_none() {
+        return Ok(Err(Change::NotFound));
+    }
     let row = tx
         .query_opt(
             "SELECT s.allocator, s.total_stock, \
@@ -438,14 +450,10 @@ pub async fn set_release_policy(
         return Err(PgError::InvalidArgument("release policy must be BACK_TO_SALE or RELEASED"));
     }
     let tx = client.transaction().await?;
-    let current = tx
-        .query_opt(
-            "SELECT release_policy FROM activity WHERE activity_id = $1 FOR UPDATE",
-            &[&activity_id],
-        )
-        .await?;
-    let Some(current) = current else { return Ok(Change::NotFound) };
-    let current: String = current.get(0);
+    let Some(activity) = lock_activity(&tx, activity_id).await? else {
+        return Ok(Change::NotFound);
+    };
+    let current: String = activity.get(1);
     if current == policy {
         let found = snapshots(&tx, activity_id, None).await?;
         tx.commit().await?;
