@@ -517,6 +517,13 @@ impl Engine {
         (status, json)
     }
 
+    /// The SKU's Redis `stock` (panics when it is missing or not a number).
+    pub fn redis_stock(&self, activity: u64, sku: u64) -> i64 {
+        let key = format!("seckill:{{{activity}:{sku}}}:stock");
+        let text = redis_cmd(&self.redis, &["GET", &key]);
+        text.parse().unwrap_or_else(|_| panic!("{key} is {text:?}"))
+    }
+
     /// The one integer (`count(*)`, ...) that `sql` selects from this engine's database.
     pub fn pg_count(&self, sql: &str) -> i64 {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

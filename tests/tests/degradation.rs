@@ -61,10 +61,6 @@ fn wait_all_ordered<'a>(
     }
 }
 
-fn stock(engine: &Engine, a: u64, s: u64) -> i64 {
-    redis_cmd(&engine.redis, &["GET", &format!("seckill:{{{a}:{s}}}:stock")]).parse().unwrap()
-}
-
 #[test]
 fn signed_modes_close_and_reopen_and_bad_snapshots_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -96,12 +92,12 @@ fn signed_modes_close_and_reopen_and_bad_snapshots_are_refused() {
     // queries are still answered.
     let (status, v) = post_mode(admin, &signed(CONTROL, 5, Scope::Global, Mode::QueryOnly, 60_000));
     assert_eq!(status, 200, "{v}");
-    let stock_before = stock(&engine, 201, 202);
+    let stock_before = engine.redis_stock(201, 202);
     let (status, closed) = engine.submit(&mut c, 3, 201, 202, "m-3");
     assert_eq!((status, state(&closed)), (503, "SUBMIT_CLOSED"), "{closed}");
     assert_eq!(closed["reason_code"], "MODE_QUERY_ONLY");
     assert!(closed["retry_after_ms"].as_u64().unwrap() >= 1);
-    assert_eq!(stock(&engine, 201, 202), stock_before, "SUBMIT_CLOSED reserved nothing");
+    assert_eq!(engine.redis_stock(201, 202), stock_before, "SUBMIT_CLOSED reserved nothing");
     let (status, replay) = engine.submit(&mut c, 1, 201, 202, "m-1");
     assert_eq!((status, state(&replay)), (202, "QUEUED"), "{replay}");
     assert_eq!(replay["replayed"], true);
@@ -149,8 +145,8 @@ fn signed_modes_close_and_reopen_and_bad_snapshots_are_refused() {
     assert_eq!(state(&engine.submit(&mut c, 6, 201, 202, "m-7").1), "QUEUED");
 
     // Redis conservation: five reservations (m-1, m-2, m-4, m-5, m-7), nothing else taken.
-    assert_eq!(stock(&engine, 201, 202), 50 - 5);
-    assert_eq!(stock(&engine, 205, 206), 5);
+    assert_eq!(engine.redis_stock(201, 202), 50 - 5);
+    assert_eq!(engine.redis_stock(205, 206), 5);
     engine.assert_reconciled(201, 202);
     engine.assert_reconciled(205, 206);
 }
@@ -226,7 +222,7 @@ fn modes_reach_every_instance_through_the_bucket_persist_and_expire() {
     assert_eq!(state(&v), "QUEUED", "{v}");
     b.shutdown();
     // r-51 and r-52 on top: nothing else was reserved.
-    assert_eq!(stock(&engine, 211, 212), 50 - reserved - 2);
+    assert_eq!(engine.redis_stock(211, 212), 50 - reserved - 2);
     engine.assert_reconciled(211, 212);
 }
 
@@ -322,7 +318,7 @@ fn postgres_outage_closes_submissions_and_the_backlog_drains_without_duplicates(
     // Every queued buyer gets exactly one order.
     wait_all_ordered(&engine, &mut c, (221, 222), queued.iter().map(|(u, id)| (*u, id.as_str())));
     engine.assert_reconciled(221, 222);
-    assert_eq!(stock(&engine, 221, 222), 1_000 - queued.len() as i64);
+    assert_eq!(engine.redis_stock(221, 222), 1_000 - queued.len() as i64);
 }
 
 /// One load thread: distinct users, one request each, until the engine stops answering;
@@ -379,7 +375,7 @@ fn sigterm_under_load_loses_and_duplicates_nothing() {
     wait_for_ms("Redis settles", 20_000, || {
         redis_cmd(&engine.redis, &["ZCARD", "seckill:{231:232}:resv:pending"]) == "0"
     });
-    assert_eq!(stock(&engine, 231, 232), 300 - taken.len() as i64, "Redis conservation");
+    assert_eq!(engine.redis_stock(231, 232), 300 - taken.len() as i64, "Redis conservation");
     engine.assert_reconciled(231, 232);
 }
 
@@ -552,7 +548,7 @@ fn nats_stopped_pending_is_bounded_then_every_queued_reservation_becomes_an_orde
         let (_, v) = engine.submit(&mut c, user, 261, 262, &format!("n-{user}"));
         assert_eq!(state(&v), "SUBMIT_CLOSED", "{v}");
     }
-    assert_eq!(stock(&engine, 261, 262), 100 - taken.len() as i64, "closed reserved nothing");
+    assert_eq!(engine.redis_stock(261, 262), 100 - taken.len() as i64, "closed reserved nothing");
     // The scanner's gauges see the unconfirmed reservations and their age.
     wait_for_ms("the pending gauge", 10_000, || {
         let text = engine.metrics();

@@ -5,13 +5,7 @@
 //! terminated while reservations are in flight. Every change is recorded with its actor, every
 //! call is idempotent, and every SKU reconciles at the end.
 
-use flashsale_tests::{
-    redis_cmd, serve_config, small_worker, state, wait_for_ms, Engine, HttpClient,
-};
-
-fn stock(engine: &Engine, (a, s): (u64, u64)) -> i64 {
-    redis_cmd(&engine.redis, &["GET", &format!("seckill:{{{a}:{s}}}:stock")]).parse().unwrap()
-}
+use flashsale_tests::{serve_config, small_worker, state, wait_for_ms, Engine, HttpClient};
 
 fn wait_state(
     engine: &Engine,
@@ -107,7 +101,7 @@ fn skus_are_added_topped_up_and_the_release_policy_set_idempotently() {
     assert_eq!((status, out["applied"].as_bool()), (Ok(0), Some(false)), "a retry: {out}");
     let (status, out) = top_up("7");
     assert_eq!((status, out["reason_code"].as_str()), (Ok(1), Some("EXISTS_WITH_OTHER_BODY")));
-    assert_eq!(stock(&engine, (a, second)), 2, "the two new units, once");
+    assert_eq!(engine.redis_stock(a, second), 2, "the two new units, once");
     // The sold-out flag clears on whichever shard a buyer lands (a new connection each).
     let mut user = 10u64;
     let mut queued = Vec::new();
@@ -231,10 +225,10 @@ fn an_ended_sku_keeps_its_reservations_and_terminated_ones_are_returned() {
         }
     }
     wait_for_ms("terminated units back in Redis", 10_000, || {
-        stock(&engine, (a, terminated)) == 5 && stock(&engine, (whole, whole_sku)) == 5
+        engine.redis_stock(a, terminated) == 5 && engine.redis_stock(whole, whole_sku) == 5
     });
     worker.shutdown().expect("worker stops");
-    assert_eq!(stock(&engine, (a, ended)), 3);
+    assert_eq!(engine.redis_stock(a, ended), 3);
     let orders =
         |sku: u64| engine.pg_count(&format!("SELECT count(*) FROM orders WHERE sku_id = {sku}"));
     assert_eq!((orders(ended), orders(terminated), orders(whole_sku)), (2, 0, 0));

@@ -22,7 +22,7 @@ use flashsale_tests::{
 const SHORT: (u64, u64) = (10_001, 20_001);
 /// Reservations expire after 60 s: still live when stuck.
 const LONG: (u64, u64) = (10_002, 20_002);
-const STOCK: u64 = 10;
+const STOCK: i64 = 10;
 
 fn engine() -> Engine {
     Engine::start_with(|c| {
@@ -51,10 +51,6 @@ fn key((activity, sku): (u64, u64), suffix: &str) -> String {
 
 fn stuck_count(engine: &Engine, sku: (u64, u64)) -> u64 {
     redis_cmd(&engine.redis, &["ZCARD", &key(sku, "resv:stuck")]).parse().unwrap()
-}
-
-fn stock(engine: &Engine, sku: (u64, u64)) -> u64 {
-    redis_cmd(&engine.redis, &["GET", &key(sku, "stock")]).parse().unwrap()
 }
 
 fn list(engine: &Engine, (activity, sku): (u64, u64)) -> serde_json::Value {
@@ -99,7 +95,10 @@ fn stuck_reservations_are_listed_and_resolved_once_each_way_while_their_messages
     wait_for_ms("every reservation stuck", 20_000, || {
         stuck_count(&engine, SHORT) == 3 && stuck_count(&engine, LONG) == 2
     });
-    assert_eq!((stock(&engine, SHORT), stock(&engine, LONG)), (STOCK - 3, STOCK - 2));
+    assert_eq!(
+        (engine.redis_stock(SHORT.0, SHORT.1), engine.redis_stock(LONG.0, LONG.1)),
+        (STOCK - 3, STOCK - 2)
+    );
 
     // Listed with what may resolve each.
     let short = list(&engine, SHORT);
@@ -159,15 +158,17 @@ fn stuck_reservations_are_listed_and_resolved_once_each_way_while_their_messages
     wait_for_ms("stuck emptied by the outcomes", 20_000, || {
         stuck_count(&engine, SHORT) == 0 && stuck_count(&engine, LONG) == 0
     });
-    wait_for_ms("every unit of the short SKU back", 10_000, || stock(&engine, SHORT) == STOCK);
+    wait_for_ms("every unit of the short SKU back", 10_000, || {
+        engine.redis_stock(SHORT.0, SHORT.1) == STOCK
+    });
     // Give any copy still in the stream time to arrive before counting.
     std::thread::sleep(Duration::from_millis(1_000));
     worker.shutdown().expect("worker stops");
 
     // Exactly one outcome each: no order for an expired reservation, one per live buyer, each
     // unit of the short SKU returned once (a second return would show as stock 11+).
-    assert_eq!(stock(&engine, SHORT), STOCK);
-    assert_eq!(stock(&engine, LONG), STOCK - 2);
+    assert_eq!(engine.redis_stock(SHORT.0, SHORT.1), STOCK);
+    assert_eq!(engine.redis_stock(LONG.0, LONG.1), STOCK - 2);
     let orders = |sku: (u64, u64)| {
         engine.pg_count(&format!("SELECT count(*) FROM orders WHERE sku_id = {}", sku.1))
     };
