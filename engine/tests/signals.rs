@@ -437,7 +437,8 @@ impl Pg {
 
 /// Every QUEUED buyer has exactly one order; a buyer told anything else (a refusal) has none;
 /// buyers whose answer was lost may have one or none. Returns the number of QUEUED buyers.
-fn assert_exactly_once(pg: &Pg, sku: (u64, u64), answers: &[Answer]) -> usize {
+/// `log` (the process's log tail) goes into every failure message.
+fn assert_exactly_once(pg: &Pg, sku: (u64, u64), answers: &[Answer], log: &str) -> usize {
     let orders = pg.orders_by_user(sku);
     let mut queued = 0;
     for a in answers {
@@ -445,11 +446,13 @@ fn assert_exactly_once(pg: &Pg, sku: (u64, u64), answers: &[Answer]) -> usize {
         match a.state.as_deref() {
             Some("QUEUED") => {
                 queued += 1;
-                assert_eq!(count, 1, "buyer {} was answered QUEUED: orders {count}", a.user);
+                assert_eq!(count, 1, "buyer {} was answered QUEUED: orders {count}\n{log}", a.user);
             }
             // Reserved, the publish unconfirmed: one order or none, never two.
-            Some("QUEUED_PENDING") | None => assert!(count <= 1, "buyer {}: {count}", a.user),
-            Some(other) => assert_eq!(count, 0, "buyer {} was answered {other}", a.user),
+            Some("QUEUED_PENDING") | None => {
+                assert!(count <= 1, "buyer {}: {count}\n{log}", a.user)
+            }
+            Some(other) => assert_eq!(count, 0, "buyer {} was answered {other}\n{log}", a.user),
         }
     }
     let asked: std::collections::HashSet<u64> = answers.iter().map(|a| a.user).collect();
@@ -489,7 +492,7 @@ fn sigterm_to_serve_under_load_exits_0_and_every_queued_submission_has_one_order
     // The process is gone: what PostgreSQL holds now is what the in-process worker wrote
     // during the grace period and its shutdown (finish the batch, commit, then ack).
     let pg = stack.pg();
-    let queued = assert_exactly_once(&pg, sku, &answers);
+    let queued = assert_exactly_once(&pg, sku, &answers, &serve.proc.tail());
     let orders = pg.orders(sku);
     eprintln!("serve exited {took:?} after SIGTERM; {queued} QUEUED answers, {orders} orders");
     assert!(queued >= 200, "{queued}");
@@ -545,7 +548,7 @@ fn sigterm_to_a_worker_with_a_backlog_then_restart_loses_and_duplicates_nothing(
     });
     eprintln!("the restarted worker wrote the rest in {:?}", started.elapsed());
     worker.terminate("flashsale worker (restarted)");
-    let counted = assert_exactly_once(&pg, sku, &answers);
+    let counted = assert_exactly_once(&pg, sku, &answers, &worker.tail());
     assert_eq!(counted, total);
     assert_eq!(pg.orders(sku), total as i64, "orders {} for {total} QUEUED", pg.orders(sku));
     pg.assert_invariants(sku);
