@@ -93,7 +93,7 @@ struct DemoArgs {
     #[arg(long, default_value = "standalone")]
     topology: String,
     /// A fault injected a third of the way in: nats-leader, pg-primary (ha), redis-master
-    /// (cluster, ha).
+    /// (cluster, ha), instance (any: a second instance behind HAProxy, killed -9).
     #[arg(long)]
     fault: Option<String>,
 }
@@ -382,6 +382,7 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
         topology: Topology::parse(&args.topology).map_err(anyhow::Error::msg)?,
         fault: args.fault.as_deref().map(Fault::parse).transpose().map_err(anyhow::Error::msg)?,
         loadgen: sibling_binary("flashsale-loadgen")?,
+        engine: std::env::current_exe().context("the flashsale binary's path")?,
     };
     demo::run(&plan)
 }

@@ -19,7 +19,11 @@
 //!   `standby.signal` is writable on the old one, and `target_session_attrs=read-write`
 //!   alone would pick it when it is listed first (FIELD-NOTES.md). A connector that has seen
 //!   no timeline yet first asks every host at once (one deadline in all) and learns the
-//!   highest writable timeline, so a fresh process is not fooled either. When the connector
+//!   highest writable timeline, so a fresh process is not fooled either; so does a connector
+//!   one of whose connections was lost since its last connect (a server that shut down or
+//!   stopped answering: a failover may have happened while it was idle — a pool that saw
+//!   only the old primary would otherwise go back to it as its last good host once it came
+//!   back writable, found by the mid-sale drill in `tests/tests/ha_pg.rs`). When the connector
 //!   learns a higher timeline it closes its connections that are behind it (the pool then
 //!   discards them as closed), so a connection opened before the failover cannot keep
 //!   writing to the old primary. The timeline is read as the first 8 hex digits of
@@ -38,7 +42,7 @@
 //! that fails mid-batch is discarded by the caller (`deadpool_postgres::Object::take`).
 
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -247,6 +251,8 @@ struct Learned {
     last_good: AtomicUsize,
     /// Highest timeline seen on a writable host; 0 = none yet.
     timeline_max: AtomicU32,
+    /// A connection ended with an error since the last connect: survey before the next one.
+    lost: Arc<AtomicBool>,
     /// Each live connection's timeline and task, so the ones behind a newly learned timeline
     /// can be closed. Pruned of finished tasks on every insert: bounded by live connections.
     live: Mutex<Vec<(u32, tokio::task::AbortHandle)>>,
@@ -283,7 +289,8 @@ impl Connector {
     pub async fn connect(
         &self,
     ) -> Result<(Client, tokio::task::JoinHandle<()>), tokio_postgres::Error> {
-        if self.hosts.len() > 1 && self.timeline_max() == 0 {
+        let lost = self.state.lost.swap(false, Ordering::AcqRel);
+        if self.hosts.len() > 1 && (self.timeline_max() == 0 || lost) {
             self.survey().await;
         }
         let first = self.state.last_good.load(Ordering::Relaxed) % self.hosts.len();
@@ -376,9 +383,11 @@ impl Connector {
     ) -> Result<(Client, tokio::task::JoinHandle<()>, HostRole), tokio_postgres::Error> {
         let config = self.host_config(&self.hosts[index]);
         let (client, connection) = config.connect(NoTls).await?;
+        let lost = Arc::clone(&self.state.lost);
         let task = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "postgres connection ended");
+                lost.store(true, Ordering::Release);
             }
         });
         // Dropped with the future when the deadline passes: the task must not outlive it.

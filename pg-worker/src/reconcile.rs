@@ -29,6 +29,9 @@ pub struct PgReconcileLimits {
     /// Reservations read for the cross-check; beyond it the list is truncated and the
     /// cross-check is incomplete (the report says so).
     pub reservations_max: usize,
+    /// `statement_timeout` of the snapshot's statements (0: the server's): the caller's own
+    /// bound, so a report given up on does not keep PostgreSQL busy.
+    pub statement_timeout_ms: u64,
 }
 
 /// Up to `ids_listed_max` ids of one finding, and whether there were more.
@@ -151,6 +154,10 @@ pub async fn reconcile_postgres(
         .start()
         .await?;
     let c = txn.client();
+    if limits.statement_timeout_ms > 0 {
+        let set = format!("SET LOCAL statement_timeout = {}", limits.statement_timeout_ms);
+        c.batch_execute(&set).await?;
+    }
     let invariants = check_invariants(c, activity_id, sku_id).await?;
     let keys: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&activity_id, &sku_id];
     let counts = c.query_one(COUNTS_SQL, &keys).await?;

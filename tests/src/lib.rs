@@ -10,10 +10,12 @@
 //!
 //! - A Redis Cluster (3 masters + 3 replicas): one per test binary, shared by its tests,
 //!   with the drills' levers ([`cluster`]).
+//! - A sale under way and the end checks of a fault drill ([`sale`]).
 //!
 //! Nothing here touches the machine's own servers on the standard ports.
 
 pub mod cluster;
+pub mod sale;
 
 pub use cluster::{redis_cluster, SharedCluster};
 
@@ -22,6 +24,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use flashsale_engine::app::serve::{self, Pinning, ServeConfig, ServeHandle};
+use flashsale_engine::app::stack::balancer::Balancer;
 use flashsale_engine::app::stack::nats_cluster::NatsCluster;
 use flashsale_engine::app::stack::pg_standbys::PgStandbys;
 use flashsale_engine::app::stack::{self, Kind, Server};
@@ -770,81 +773,35 @@ pub fn prometheus_render() -> Box<dyn Fn() -> String + Send + Sync> {
 /// A private HAProxy in TCP mode on a free loopback port, relaying to `backend` with the
 /// given `server` line options (e.g. `send-proxy-v2`); its generated configuration and log
 /// live in a temporary directory. Stopped on drop.
+/// HAProxy in TCP mode in front of the engine (`stack::balancer`), configured in a temporary
+/// directory of its own; stopped on drop.
 pub struct Haproxy {
-    child: std::process::Child,
+    balancer: Balancer,
     pub addr: SocketAddr,
-    dir: tempfile::TempDir,
+    _dir: tempfile::TempDir,
 }
 
 impl Haproxy {
+    /// One backend with HAProxy `server` options (e.g. `send-proxy-v2`).
     pub fn start(backend: SocketAddr, server_options: &str) -> Haproxy {
-        Haproxy::start_config(&format!("    server engine {backend} {server_options}\n"))
+        let dir = open_tempdir("flashsale-test-haproxy-");
+        let balancer = Balancer::single(dir.path(), backend, server_options)
+            .unwrap_or_else(|e| panic!("haproxy: {e}"));
+        Haproxy { addr: balancer.addr, balancer, _dir: dir }
     }
 
-    /// HAProxy in TCP mode balancing connections round robin over `backends` (several engine
-    /// instances behind one L4 balancer, DESIGN.md section 11).
+    /// Connections balanced round robin over `backends` (several engine instances behind one
+    /// L4 balancer, DESIGN.md section 11), with health checks.
     pub fn round_robin(backends: &[SocketAddr]) -> Haproxy {
-        let servers: String = backends
-            .iter()
-            .enumerate()
-            .map(|(i, addr)| format!("    server engine{i} {addr}\n"))
-            .collect();
-        Haproxy::start_config(&format!("    balance roundrobin\n{servers}"))
-    }
-
-    fn start_config(backend_lines: &str) -> Haproxy {
-        let binary = ["/usr/sbin/haproxy", "/usr/bin/haproxy"]
-            .into_iter()
-            .find(|p| std::path::Path::new(p).exists())
-            .expect("haproxy is installed (./run installs the Debian package)");
-        let dir = tempfile::Builder::new().prefix("flashsale-test-haproxy-").tempdir().unwrap();
-        // A port that was free a moment ago; HAProxy fails to start if it was taken since,
-        // and the caller's wait below reports that.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let config = format!(
-            "global\n    maxconn 256\n\
-             defaults\n    mode tcp\n    timeout connect 2s\n    timeout client 30s\n    timeout server 30s\n\
-             frontend edge\n    bind {addr}\n    default_backend engine\n\
-             backend engine\n{backend_lines}"
-        );
-        let config_path = dir.path().join("haproxy.cfg");
-        std::fs::write(&config_path, config).unwrap();
-        let log = std::fs::File::create(dir.path().join("haproxy.log")).unwrap();
-        let child = std::process::Command::new(binary)
-            .arg("-db") // foreground: it is our child, stopped by pid
-            .arg("-f")
-            .arg(&config_path)
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start haproxy");
-        let mut haproxy = Haproxy { child, addr, dir };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while std::net::TcpStream::connect(addr).is_err() {
-            if let Ok(Some(status)) = haproxy.child.try_wait() {
-                panic!("haproxy exited ({status}): {}", haproxy.log());
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "haproxy not listening: {}",
-                haproxy.log()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        haproxy
+        let dir = open_tempdir("flashsale-test-haproxy-");
+        let balancer =
+            Balancer::round_robin(dir.path(), backends).unwrap_or_else(|e| panic!("haproxy: {e}"));
+        Haproxy { addr: balancer.addr, balancer, _dir: dir }
     }
 
     /// What HAProxy wrote to stdout and stderr.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("haproxy.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Haproxy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.balancer.log()
     }
 }
 

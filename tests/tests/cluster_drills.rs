@@ -17,13 +17,13 @@
 //!   promised (QUEUED), the promoted replica has no record of them, and reconcile reports
 //!   exactly those reservations as missing (the drill can see the loss).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flashsale_io::redis::router::MinReplicaAcks;
 use flashsale_io::redis::slot::Slot;
+use flashsale_tests::sale::{self, Answers};
 use flashsale_tests::{redis_cluster, small_worker, state, wait_for_ms, Engine, HttpClient};
 use serde_json::Value;
 
@@ -50,28 +50,15 @@ fn sku_on(master: SocketAddr, activity: u64, from: u64) -> u64 {
 }
 
 fn report(engine: &Engine, activity: u64, sku: u64) -> Value {
-    let path = format!("/admin/v1/activities/{activity}/skus/{sku}/reconcile");
-    HttpClient::connect(engine.admin()).request("GET", &path, None, None).json()
+    sale::reconcile(engine.admin(), (activity, sku))
 }
 
 fn wait_ordered(engine: &Engine, activity: u64, sku: u64, buyers: &[(u64, String)]) {
-    let mut c = HttpClient::connect(engine.http());
-    for (user, id) in buyers {
-        wait_for_ms("every promised buyer gets an order", 60_000, || {
-            let (_, v) = engine.query(&mut c, *user, activity, sku, id);
-            assert_ne!(state(&v), "FAILED", "{v}");
-            state(&v) == "SUCCEEDED"
-        });
-    }
+    sale::wait_ordered(engine.http(), (activity, sku), buyers);
 }
 
 fn wait_reconciled(engine: &Engine, activity: u64, sku: u64) -> Value {
-    let mut last = Value::Null;
-    wait_for_ms("the reconcile report is ok", 60_000, || {
-        last = report(engine, activity, sku);
-        last["ok"] == true
-    });
-    last
+    sale::wait_reconciled(engine.admin(), (activity, sku))
 }
 
 #[test]
@@ -105,43 +92,6 @@ fn skus_on_every_master_sell_through_one_seed() {
         engine.assert_invariants(activity, *sku);
         let r = wait_reconciled(&engine, activity, *sku);
         assert_eq!(r["redis"]["stock"], 0, "{r}");
-    }
-}
-
-/// Every answer one buyer got, by state.
-#[derive(Default)]
-struct Answers {
-    by_buyer: HashMap<u64, (String, Vec<String>)>,
-    /// Every answer in the order it came.
-    timeline: Vec<(Instant, String)>,
-}
-
-impl Answers {
-    fn record(&mut self, user: u64, id: &str, v: &Value) {
-        let answer = match v["reason_code"].as_str() {
-            Some(reason) => format!("{}:{reason}", state(v)),
-            None => state(v).to_owned(),
-        };
-        self.timeline.push((Instant::now(), answer.clone()));
-        let entry = self.by_buyer.entry(user).or_insert_with(|| (id.to_owned(), Vec::new()));
-        entry.1.push(answer);
-    }
-
-    fn count(&self, answer: &str) -> usize {
-        self.by_buyer.values().flat_map(|(_, a)| a).filter(|a| a.as_str() == answer).count()
-    }
-
-    /// Buyers whose latest answer promised a place in the queue.
-    fn promised(&self) -> Vec<(u64, String)> {
-        let promised = |a: &String| a == "QUEUED" || a == "QUEUED_PENDING";
-        let mut out: Vec<_> = self
-            .by_buyer
-            .iter()
-            .filter(|(_, (_, answers))| answers.last().is_some_and(promised))
-            .map(|(user, (id, _))| (*user, id.clone()))
-            .collect();
-        out.sort();
-        out
     }
 }
 

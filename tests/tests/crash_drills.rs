@@ -247,3 +247,73 @@ fn redis_flushall_mid_sale_postgres_prevents_oversell_and_double_orders() {
     }
     engine.stop();
 }
+
+/// Drill d, several instances (DESIGN.md section 11): two engines on the same stores behind
+/// HAProxy (TCP, round robin). One request id sent to each instance in turn gets one
+/// reservation; then one instance is killed (SIGKILL) while buyers keep arriving through the
+/// balancer. The survivor finishes the sale: its scanner republishes what the dead one left
+/// pending, and every buyer told QUEUED/QUEUED_PENDING ends with exactly one order.
+#[test]
+fn one_of_two_instances_killed_mid_sale_behind_the_balancer_loses_no_queued_buyer() {
+    let _serial = serial();
+    let rt = runtime();
+    let stores = Stores::start(&rt);
+    let stock = 120;
+    let doomed = EngineProcess::spawn(&stores, ChildOptions::default());
+    let survivor = EngineProcess::spawn(&stores, ChildOptions::default());
+    doomed.create_activity(ACTIVITY, SKU, stock);
+    // The same request ids to each instance in turn: every answer names one reservation.
+    let mut alternating = intents(1..=10, "alt");
+    for round in 0..4 {
+        let addr = if round % 2 == 0 { doomed.http } else { survivor.http };
+        for intent in &mut alternating {
+            let body = format!(
+                r#"{{"activity_id":{ACTIVITY},"sku_id":{SKU},"request_id":"{}","quantity":1}}"#,
+                intent.request_id
+            );
+            let token = pass(intent.user, ACTIVITY);
+            intent.answers.push(http(addr, "POST", "/v1/reservations", Some(&token), Some(&body)));
+        }
+    }
+    for intent in &alternating {
+        assert!(intent.answers.iter().all(|a| a
+            .as_ref()
+            .is_some_and(|(_, v)| { matches!(state(v), "QUEUED" | "QUEUED_PENDING") })));
+        assert_eq!(
+            intent.reservation_ids().len(),
+            1,
+            "one request id, one reservation: {intent:?}"
+        );
+    }
+    assert_eq!(redis_reservations(&stores, ACTIVITY, SKU).len(), 10, "10 ids, 10 reservations");
+
+    let balancer = flashsale_tests::Haproxy::round_robin(&[doomed.http, survivor.http]);
+    let addr = balancer.addr;
+    let load =
+        std::thread::spawn(move || submit_all(addr, ACTIVITY, SKU, intents(11..=200, "lb"), 6));
+    std::thread::sleep(Duration::from_millis(300));
+    drop(doomed);
+    let before = load.join().unwrap();
+    let unanswered = before.iter().filter(|i| !i.settled()).count();
+    eprintln!("instance killed mid-sale: {unanswered} of 190 buyers without a final answer");
+    let mut all = alternating;
+    all.extend(settle_all(balancer.addr, ACTIVITY, SKU, before));
+    let resolved = resolve_and_check_sold_out(&rt, &stores, &survivor, &all, stock);
+    assert!(resolved.values().all(|r| r.state == "SUCCEEDED"), "{resolved:?}");
+    // Every unit is an order of a promised buyer, except (the known gap, README "Several
+    // instances") a buyer whose reservation the killed instance made without answering: the
+    // survivor, sold out, answers the retry SOLD_OUT from its local flag (its replay map
+    // holds only what it accepted itself), and the order is made all the same.
+    let promised = all.iter().filter(|i| i.promised()).count() as u64;
+    let unanswered_then_sold_out = all
+        .iter()
+        .filter(|i| i.answers.first().is_some_and(Option::is_none))
+        .filter(|i| i.last_state() == Some("SOLD_OUT"))
+        .count() as u64;
+    eprintln!(
+        "{promised} promised buyers, {} orders of buyers answered SOLD_OUT on their retry",
+        stock - promised
+    );
+    assert!(stock - promised <= unanswered_then_sold_out, "an order nobody could explain");
+    survivor.stop();
+}

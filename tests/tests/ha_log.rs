@@ -3,7 +3,8 @@
 //! side and worker); a lower setting against existing R3 streams is refused at start, naming
 //! the setting; raising a stream's replicas is an update; the placement gauges follow the
 //! peers; kill -9 of a stream leader mid-publish makes publishes fail, then resume, with
-//! `Nats-Msg-Id` dedup intact.
+//! `Nats-Msg-Id` dedup intact; and the engine with a sale running while the stream leader,
+//! the consumer leader and the meta leader are killed in turn.
 //!
 //! The tests of this file share one cluster (created by the first, stopped after the last)
 //! and take turns on it; each leaves it healthy (a killed node restarted, peers current).
@@ -16,6 +17,7 @@ use flashsale_engine::app::config::{Config, Env, Overrides};
 use flashsale_engine::app::serve;
 use flashsale_io::log::async_nats::jetstream::stream;
 use flashsale_io::log::{Log, LogConfig, ORDERS_STREAM, REPLICATED_STREAMS};
+use flashsale_tests::sale::{assert_promise_kept, Buyers};
 use flashsale_tests::{nats_cluster, PrivateNatsCluster};
 
 static SHARED: Mutex<Weak<Mutex<PrivateNatsCluster>>> = Mutex::new(Weak::new());
@@ -307,4 +309,105 @@ fn kill_9_of_the_stream_leader_mid_publish_publishes_fail_then_resume_and_dedup_
         wait_current_peers(&log, &name, 3).await;
         let _ = log.context().delete_stream(&name).await;
     });
+}
+
+/// Which of the three leaderships `node` holds right now.
+fn roles_of(cluster: &PrivateNatsCluster, node: &str) -> Vec<&'static str> {
+    let consumer = flashsale_io::log::ORDER_WRITER_CONSUMER;
+    [
+        ("stream", cluster.stream_leader(ORDERS_STREAM)),
+        ("consumer", cluster.consumer_leader(ORDERS_STREAM, consumer)),
+        ("meta", cluster.meta_leader()),
+    ]
+    .into_iter()
+    .filter(|(_, leader)| leader.as_deref() == Some(node))
+    .map(|(role, _)| role)
+    .collect()
+}
+
+/// The engine (2 shards, its worker) on the R3 cluster, a sale running, and kill -9 of the
+/// `SECKILL_ORDERS` stream leader, then of the order-writer's consumer leader, then of the
+/// meta leader (each restarted 7 s later, the cluster healthy again before the next). What
+/// admission answered around each kill is printed per second; every buyer told QUEUED or
+/// QUEUED_PENDING gets exactly one order and nobody else one; submissions reopen after each
+/// change; audit and reconcile pass. Production admission budgets (not the suite's lifted
+/// ones): what a buyer would be told is the point.
+#[test]
+fn stream_consumer_and_meta_leaders_killed_mid_sale_every_queued_buyer_gets_one_order() {
+    const SKU: (u64, u64) = (14_601, 24_601);
+    let shared = shared_cluster();
+    let mut cluster = shared.lock().unwrap_or_else(PoisonError::into_inner);
+    cluster.wait_healthy(Duration::from_secs(30)).expect("healthy");
+    let rt = runtime();
+    let redis = flashsale_tests::redis();
+    let db = rt.block_on(async {
+        let db = flashsale_tests::pg_database().await;
+        let (mut client, conn) =
+            tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
+        let driver = tokio::spawn(conn);
+        flashsale_pg_worker::migrate(&mut client).await.unwrap();
+        drop(client);
+        let _ = driver.await;
+        db
+    });
+    let mut config = flashsale_tests::serve_config(redis.addr(), &cluster.url(), &db.url);
+    config.edge.admission = flashsale_engine::logic::admission::Budgets::default();
+    config.durable.log = replicated(&cluster.url(), 3);
+    let mut worker = flashsale_tests::small_worker(&config);
+    worker.log = replicated(&cluster.url(), 3);
+    config.worker = Some(worker);
+    let handle = serve::start(config).expect("serve on the R3 cluster");
+    let body = format!(r#"{{"activity_id":{},"sku_id":{},"stock":20000}}"#, SKU.0, SKU.1);
+    let resp = flashsale_tests::HttpClient::connect(handle.admin_addr).request(
+        "POST",
+        "/admin/v1/activities",
+        None,
+        Some(&body),
+    );
+    assert_eq!(resp.status, 201, "{}", resp.body);
+
+    let buyers = Buyers::start(handle.http_addr, SKU, 4, Duration::from_millis(40), "leader");
+    let mut kills = Vec::new();
+    for role in ["stream", "consumer", "meta"] {
+        std::thread::sleep(Duration::from_secs(3));
+        let leader = match role {
+            "stream" => cluster.stream_leader(ORDERS_STREAM),
+            "consumer" => {
+                cluster.consumer_leader(ORDERS_STREAM, flashsale_io::log::ORDER_WRITER_CONSUMER)
+            }
+            _ => cluster.meta_leader(),
+        };
+        let leader = leader.unwrap_or_else(|| panic!("no {role} leader"));
+        let index = cluster.index_of(&leader).expect("the leader is a node");
+        let held = roles_of(&cluster, &leader);
+        let killed_at = Instant::now();
+        cluster.kill(index).expect("kill -9 of the leader");
+        std::thread::sleep(Duration::from_secs(7));
+        cluster.restart(index).expect("restart the killed node");
+        cluster.wait_healthy(Duration::from_secs(60)).expect("healthy again");
+        kills.push((role, leader, held, killed_at));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let mut answers = buyers.stop();
+    for (i, (role, leader, held, at)) in kills.iter().enumerate() {
+        // Submissions reopened: a QUEUED answer after the change (before the next kill).
+        let next = kills.get(i + 1).map_or(Instant::now(), |k| k.3);
+        println!("{role} leader {leader} killed (it led: {held:?}); answers per second:");
+        let seconds = (next - *at).as_secs() + 1;
+        println!("{}", answers.by_second(*at - Duration::from_secs(1), seconds));
+        let reopened = answers.first_queued_after(*at + Duration::from_secs(1));
+        assert!(
+            reopened.is_some_and(|t| t < next),
+            "no QUEUED answer after the {role} leader's kill: {reopened:?}"
+        );
+    }
+    let promised =
+        assert_promise_kept((handle.http_addr, handle.admin_addr), &db.url, SKU, &mut answers);
+    println!(
+        "{} buyers answered, {} promised, each exactly one order",
+        answers.by_buyer.len(),
+        promised.len()
+    );
+    handle.shutdown();
+    cluster.wait_healthy(Duration::from_secs(30)).expect("healthy at the end");
 }

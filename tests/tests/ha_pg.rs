@@ -15,7 +15,8 @@ use flashsale_engine::app::stack::pg_standbys::SyncStandbys;
 use flashsale_pg_worker::deadpool_postgres::{Object, Pool};
 use flashsale_pg_worker::pool::{build_pool_with, Connector};
 use flashsale_pg_worker::{build_pool, PgPoolConfig};
-use flashsale_tests::{pg_standbys, HttpClient};
+use flashsale_tests::sale::{self, assert_promise_kept, Buyers};
+use flashsale_tests::{pg_standbys, HttpClient, PrivatePgStandbys};
 
 fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
@@ -193,14 +194,18 @@ async fn an_old_primary_restarted_writable_is_never_written_to() {
     assert_eq!(values, vec!["tl1".to_owned()], "only what it had before the failover");
 }
 
-#[test]
-fn serve_starts_on_a_multi_host_url_and_both_pools_use_it() {
-    let set = pg_standbys();
-    set.query(0, "CREATE DATABASE app").expect("create database");
+/// `flashsale serve` (2 shards, its worker) on the set's multi-host URL (database `postgres`,
+/// migrated on the primary); with its own Redis and NATS.
+fn serve_on(
+    set: &PrivatePgStandbys,
+    tune: impl FnOnce(&mut serve::ServeConfig),
+) -> (serve::ServeHandle, flashsale_tests::PrivateRedis, flashsale_tests::PrivateNats) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let (mut client, conn) =
-            tokio_postgres::connect(&set.node_url(0, "app"), tokio_postgres::NoTls).await.unwrap();
+            tokio_postgres::connect(&set.node_url(0, "postgres"), tokio_postgres::NoTls)
+                .await
+                .unwrap();
         let driver = tokio::spawn(conn);
         flashsale_pg_worker::migrate(&mut client).await.expect("migrate");
         drop(client);
@@ -209,7 +214,7 @@ fn serve_starts_on_a_multi_host_url_and_both_pools_use_it() {
     let (redis, nats) = (flashsale_tests::redis(), flashsale_tests::nats());
     let dir = tempfile::tempdir().unwrap();
     let env: Env = [
-        ("FLASHSALE_PG_URL".to_owned(), set.url("app")),
+        ("FLASHSALE_PG_URL".to_owned(), set.url("postgres")),
         ("FLASHSALE_NATS_URL".to_owned(), nats.url()),
         ("FLASHSALE_REDIS_URL".to_owned(), redis.url()),
     ]
@@ -223,38 +228,105 @@ fn serve_starts_on_a_multi_host_url_and_both_pools_use_it() {
     let mut worker = flashsale_tests::small_worker(&serve_config);
     worker.pg = PgPoolConfig { url: config.pg_url.clone(), ..worker.pg };
     serve_config.worker = Some(worker);
+    tune(&mut serve_config);
     let handle = serve::start(serve_config).expect("serve starts on the multi-host URL");
+    (handle, redis, nats)
+}
+
+fn orders_on(set: &PrivatePgStandbys, index: usize) -> i64 {
+    let rows = set.query(index, "SELECT count(*) FROM orders").expect("count orders");
+    rows[0][0].as_deref().and_then(|n| n.parse().ok()).expect("a count")
+}
+
+#[test]
+fn serve_starts_on_a_multi_host_url_and_both_pools_use_it() {
+    let set = pg_standbys();
+    let (handle, _redis, _nats) = serve_on(&set, |_| {});
     let mut admin = HttpClient::connect(handle.admin_addr);
     let body = r#"{"activity_id":10001,"sku_id":20001,"stock":5}"#;
     let resp = admin.request("POST", "/admin/v1/activities", None, Some(body));
     assert_eq!(resp.status, 201, "the edge's pool wrote the activity: {}", resp.body);
-    let keys = flashsale_engine::logic::auth::PassKeys::parse(flashsale_tests::KEYS).unwrap();
-    let exp =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 600;
-    let pass = keys
-        .mint(
-            "k1",
-            flashsale_engine::logic::ids::UserId(7),
-            flashsale_engine::logic::ids::ActivityId(10001),
-            exp,
-        )
-        .unwrap();
-    let body = r#"{"activity_id":10001,"sku_id":20001,"request_id":"ha-1","quantity":1}"#;
-    let resp = HttpClient::connect(handle.http_addr).request(
-        "POST",
-        "/v1/reservations",
-        Some(&pass),
-        Some(body),
-    );
-    assert_eq!(resp.status, 202, "{}", resp.body);
+    let mut c = HttpClient::connect(handle.http_addr);
+    let answer = sale::submit(&mut c, 7, (10001, 20001), "ha-1").expect("an answer");
+    assert_eq!(flashsale_tests::state(&answer), "QUEUED", "{answer}");
     flashsale_tests::wait_for_ms("the worker's pool wrote the order", 20_000, || {
-        rt.block_on(async {
-            let (c, conn) = tokio_postgres::connect(&set.node_url(0, "app"), tokio_postgres::NoTls)
-                .await
-                .unwrap();
-            tokio::spawn(conn);
-            c.query_one("SELECT count(*) FROM orders", &[]).await.unwrap().get::<_, i64>(0) == 1
-        })
+        orders_on(&set, 0) == 1
     });
+    handle.shutdown();
+}
+
+/// A sale running on `flashsale serve` over the multi-host URL while PostgreSQL fails over
+/// twice: the primary stopped and s1 promoted (s2 follows it); then s1 frozen (SIGSTOP, a hung
+/// primary) and s2 promoted; then the old primary pg0 restarted writable on its old timeline,
+/// and s1 thawed (writable, behind s2's timeline). What admission answered around each change
+/// is printed per second; every buyer told QUEUED/QUEUED_PENDING gets exactly one order on
+/// the current primary, nobody else one, audit and reconcile pass; neither old primary gets a
+/// single order after it stopped being the primary.
+#[test]
+fn primary_stopped_then_hung_mid_sale_every_queued_buyer_gets_one_order_on_the_new_primary() {
+    const SKU: (u64, u64) = (14_701, 24_701);
+    let mut set = pg_standbys();
+    let (handle, _redis, _nats) = serve_on(&set, |c| {
+        c.edge.admission = flashsale_engine::logic::admission::Budgets::default();
+    });
+    let body = format!(r#"{{"activity_id":{},"sku_id":{},"stock":20000}}"#, SKU.0, SKU.1);
+    let resp = HttpClient::connect(handle.admin_addr).request(
+        "POST",
+        "/admin/v1/activities",
+        None,
+        Some(&body),
+    );
+    assert_eq!(resp.status, 201, "{}", resp.body);
+    let buyers = Buyers::start(handle.http_addr, SKU, 4, Duration::from_millis(40), "pgha");
+    std::thread::sleep(Duration::from_secs(3));
+    let stopped_at = Instant::now();
+    set.stop(0).expect("stop the primary");
+    set.promote(1).expect("promote s1");
+    set.follow(2, 1).expect("s2 follows s1");
+    println!("pg0 stopped, s1 promoted, s2 following after {:?}", stopped_at.elapsed());
+    std::thread::sleep(Duration::from_secs(5));
+    let frozen_at = Instant::now();
+    set.freeze(1).expect("freeze s1");
+    set.promote(2).expect("promote s2");
+    // What a failover manager does with the last node standing: no synchronous standby left
+    // to wait for (s2's copy of the setting names s1 and s2).
+    set.query(2, "ALTER SYSTEM SET synchronous_standby_names = ''").expect("sync off");
+    set.query(2, "SELECT pg_reload_conf()").expect("reload");
+    println!("s1 frozen, s2 promoted after {:?}", frozen_at.elapsed());
+    std::thread::sleep(Duration::from_secs(4));
+    set.restart_writable(0, SyncStandbys::Cleared).expect("the old primary back, writable");
+    let on_pg0 = orders_on(&set, 0);
+    set.thaw(1).expect("thaw s1");
+    let on_s1 = orders_on(&set, 1);
+    println!("pg0 writable again with {on_pg0} orders, s1 thawed with {on_s1}");
+    std::thread::sleep(Duration::from_secs(4));
+    let mut answers = buyers.stop();
+    for (what, at) in [("primary stopped", stopped_at), ("primary frozen", frozen_at)] {
+        println!("{what}; answers per second:");
+        println!("{}", answers.by_second(at - Duration::from_secs(1), 10));
+    }
+    let reopened = answers.first_queued_after(frozen_at + Duration::from_secs(1));
+    assert!(reopened.is_some(), "no QUEUED answer after the second failover");
+    for node in [0, 1] {
+        let sessions = set.query(
+            node,
+            "SELECT application_name, state, left(query, 60) FROM pg_stat_activity \
+             WHERE application_name LIKE 'flashsale%'",
+        );
+        println!("sessions on node {node}: {sessions:?}");
+    }
+    for node in 0..3 {
+        println!("node {node}: {} orders", orders_on(&set, node));
+    }
+    assert_eq!(orders_on(&set, 0), on_pg0, "an order written to the old primary pg0");
+    assert_eq!(orders_on(&set, 1), on_s1, "an order written to the old primary s1");
+    let url = set.node_url(2, "postgres");
+    let promised =
+        assert_promise_kept((handle.http_addr, handle.admin_addr), &url, SKU, &mut answers);
+    println!(
+        "{} buyers, {} promised, each one order on s2",
+        answers.by_buyer.len(),
+        promised.len()
+    );
     handle.shutdown();
 }

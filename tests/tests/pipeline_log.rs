@@ -297,6 +297,30 @@ async fn the_lag_observer_reports_pending_count_and_oldest_age() {
     assert_eq!((drained.pending, drained.oldest_pending_age_ms), (0, 0));
 }
 
+/// The age is that of the oldest message not yet DELIVERED (the queue a new message waits
+/// behind), not of the stream's first one: messages in a worker's hands — or written with
+/// their acks lost, as in a consumer-leader change — count in `pending` but are no queue.
+#[tokio::test]
+async fn delivered_but_unacked_messages_count_as_pending_not_as_queue_age() {
+    let stack = stack().await;
+    seed_sku(&stack.client, ACTIVITY, SKU, 10, "TOKEN").await;
+    let messages: Vec<_> = (1..=10).map(|u| message(ACTIVITY, SKU, u, &format!("d{u}"))).collect();
+    stack.publish_all(&messages[..4]).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    stack.publish_all(&messages[4..]).await;
+    let source = stack.log.order_writer().await.expect("bind");
+    let first = source.fetch(4, Duration::ZERO).await.expect("pull 4");
+    assert_eq!(first.len(), 4);
+    let sample = stack.log.poll_order_writer_lag(now_ms()).await.expect("poll");
+    assert_eq!(sample.pending, 10, "{sample:?}");
+    assert!(sample.oldest_pending_age_ms < 400, "the undelivered head is young: {sample:?}");
+    let rest = source.fetch(10, Duration::ZERO).await.expect("pull the rest");
+    assert_eq!(rest.len(), 6);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sample = stack.log.poll_order_writer_lag(now_ms()).await.expect("poll");
+    assert_eq!((sample.pending, sample.oldest_pending_age_ms), (10, 0), "nothing undelivered");
+}
+
 /// `count` outbox events with a minimal valid payload, straight into the table.
 async fn insert_events(stack: &Stack, count: i64) {
     stack

@@ -388,7 +388,8 @@ async fn postgres_findings_list_exactly_the_rows_they_count() {
     ];
     client.batch_execute(&sql.concat()).await.unwrap();
 
-    let limits = PgReconcileLimits { ids_listed_max: 10, reservations_max: 100 };
+    let limits =
+        PgReconcileLimits { ids_listed_max: 10, reservations_max: 100, statement_timeout_ms: 0 };
     let pg = reconcile_postgres(&mut client, 5, 6, limits).await.unwrap();
     let listed = |name: &str| -> BTreeSet<String> {
         pg.ids.get(name).map(|s| s.ids.iter().cloned().collect()).unwrap_or_default()
@@ -425,7 +426,8 @@ async fn postgres_findings_list_exactly_the_rows_they_count() {
     assert!(pg.invariants.violations.iter().any(|v| v.starts_with("I1 oversell")), "{pg:?}");
     assert!(pg.invariants.violations.iter().any(|v| v.contains("PROCESSING")));
     // Bounded: one id per finding listed, the rest announced.
-    let one = PgReconcileLimits { ids_listed_max: 1, reservations_max: 2 };
+    let one =
+        PgReconcileLimits { ids_listed_max: 1, reservations_max: 2, statement_timeout_ms: 5_000 };
     let pg = reconcile_postgres(&mut client, 5, 6, one).await.unwrap();
     let sample = &pg.ids["orders_without_held_token"];
     assert_eq!((sample.ids.len(), sample.truncated), (1, true));

@@ -9,7 +9,11 @@
 //! - `pg-primary`: the PostgreSQL primary stopped, a standby promoted, the other re-pointed
 //!   (ha);
 //! - `redis-master`: kill -9 of the master serving the hot SKU, restarted once its replica
-//!   took over (cluster, ha).
+//!   took over (cluster, ha);
+//! - `instance`: a second engine instance (`flashsale serve` in a child process, its own
+//!   worker) beside this one, both behind HAProxy in TCP mode (`stack::balancer`, round
+//!   robin with health checks) which the load goes through; the second is killed -9 and
+//!   started again 5 s later (any topology).
 //!
 //! What the fault did, with its timings, is printed and added to the JSON report as `fault`.
 //! The CPU each process spent per sold unit and per SOLD_OUT answer (`demo_cpu.rs`, read from
@@ -17,6 +21,7 @@
 //! Every step is a library call of the documented commands, so the demo exercises exactly
 //! what an operator runs.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -25,6 +30,7 @@ use anyhow::Context;
 use crate::app::config::{self, Config, Overrides};
 use crate::app::demo_cpu;
 use crate::app::serve::{self, Pinning, ServeConfig};
+use crate::app::stack::balancer::Balancer;
 use crate::app::stack::nats_cluster::NatsCluster;
 use crate::app::stack::pg_standbys::PgStandbys;
 use crate::app::stack::{self, RedisCluster, StackError, Topology};
@@ -36,6 +42,7 @@ pub enum Fault {
     NatsLeader,
     PgPrimary,
     RedisMaster,
+    Instance,
 }
 
 impl Fault {
@@ -44,7 +51,10 @@ impl Fault {
             "nats-leader" => Ok(Fault::NatsLeader),
             "pg-primary" => Ok(Fault::PgPrimary),
             "redis-master" => Ok(Fault::RedisMaster),
-            other => Err(format!("unknown fault {other:?}: nats-leader, pg-primary, redis-master")),
+            "instance" => Ok(Fault::Instance),
+            other => Err(format!(
+                "unknown fault {other:?}: nats-leader, pg-primary, redis-master, instance"
+            )),
         }
     }
 
@@ -53,6 +63,7 @@ impl Fault {
             Fault::NatsLeader => "nats-leader",
             Fault::PgPrimary => "pg-primary",
             Fault::RedisMaster => "redis-master",
+            Fault::Instance => "instance",
         }
     }
 
@@ -61,6 +72,7 @@ impl Fault {
         match self {
             Fault::NatsLeader | Fault::PgPrimary => topology == Topology::Ha,
             Fault::RedisMaster => topology != Topology::Standalone,
+            Fault::Instance => true,
         }
     }
 }
@@ -81,6 +93,8 @@ pub struct DemoPlan {
     pub fault: Option<Fault>,
     /// The `flashsale-loadgen` binary.
     pub loadgen: PathBuf,
+    /// The `flashsale` binary (the `instance` fault's second instance runs `serve`).
+    pub engine: PathBuf,
 }
 
 /// The hot SKU of the scenario.
@@ -129,23 +143,41 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
         }
     }
     let servers = stack::running_servers(&plan.dir);
-    let mut loadgen =
-        loadgen_command(plan, &config, &handle).spawn().context("run flashsale-loadgen")?;
+    // The `instance` fault: a second instance, and the balancer the load goes through.
+    let second = match plan.fault {
+        Some(Fault::Instance) => Some(SecondInstance::start(plan, &config)?),
+        _ => None,
+    };
+    let balancer = match &second {
+        Some(second) => Some(Balancer::round_robin(
+            &plan.dir.join("balancer"),
+            &[handle.http_addr, second.http],
+        )?),
+        None => None,
+    };
+    let target = balancer.as_ref().map_or(handle.http_addr, |b| b.addr);
+    let mut loadgen = loadgen_command(plan, &config, target, handle.admin_addr)
+        .spawn()
+        .context("run flashsale-loadgen")?;
     let sampler = demo_cpu::Sampler::start(&servers, loadgen.id())
         .map_err(|e| eprintln!("demo: no CPU sampling: {e}"))
         .ok();
     let fault = plan.fault.map(|fault| {
         let (dir, after) = (plan.dir.clone(), Duration::from_secs(plan.duration_s.max(3) / 3));
-        std::thread::spawn(move || inject(fault, &dir, after))
+        std::thread::spawn(move || inject(fault, &dir, after, second))
     });
     let status = loadgen.wait().context("wait for flashsale-loadgen")?;
     let samples = sampler.map(demo_cpu::Sampler::finish);
-    let fault_report = match fault.map(|t| t.join()) {
-        Some(Ok(report)) => Some(report),
-        Some(Err(_)) => Some(serde_json::json!({"error": "the fault thread panicked"})),
-        None => None,
+    let (fault_report, second) = match fault.map(|t| t.join()) {
+        Some(Ok((report, second))) => (Some(report), second),
+        Some(Err(_)) => (Some(serde_json::json!({"error": "the fault thread panicked"})), None),
+        None => (None, None),
     };
     eprintln!("demo: stopping the engine and the private servers");
+    drop(balancer);
+    if let Some(second) = second {
+        second.stop();
+    }
     handle.shutdown();
     stack::down(&plan.dir, false)?;
     if let Some(report) = fault_report {
@@ -184,14 +216,15 @@ fn serve_config(config: &Config, plan: &DemoPlan) -> anyhow::Result<ServeConfig>
 fn loadgen_command(
     plan: &DemoPlan,
     config: &Config,
-    handle: &serve::ServeHandle,
+    target: SocketAddr,
+    admin: SocketAddr,
 ) -> std::process::Command {
     let mut command = std::process::Command::new(&plan.loadgen);
     command
         .arg("--target")
-        .arg(format!("http://{}", handle.http_addr))
+        .arg(format!("http://{target}"))
         .arg("--admin")
-        .arg(format!("http://{}", handle.admin_addr))
+        .arg(format!("http://{admin}"))
         .args(["--create-activity", "--activity-id", &ACTIVITY_ID.to_string()])
         .args(["--sku-id", &SKU_ID.to_string()])
         .args(["--stock", &plan.stock.to_string()])
@@ -207,14 +240,22 @@ fn loadgen_command(
     command
 }
 
-/// Sleeps `after`, injects `fault` into the stack under `dir`, and reports what happened.
-fn inject(fault: Fault, dir: &std::path::Path, after: Duration) -> serde_json::Value {
+/// Sleeps `after`, injects `fault` into the stack under `dir` (or into `second`, the
+/// `instance` fault's second instance, handed back for the stop), and reports what happened.
+fn inject(
+    fault: Fault,
+    dir: &std::path::Path,
+    after: Duration,
+    mut second: Option<SecondInstance>,
+) -> (serde_json::Value, Option<SecondInstance>) {
     std::thread::sleep(after);
     let started = Instant::now();
-    let result = match fault {
-        Fault::NatsLeader => nats_leader(dir),
-        Fault::PgPrimary => pg_primary(dir),
-        Fault::RedisMaster => redis_master(dir),
+    let result = match (fault, second.as_mut()) {
+        (Fault::NatsLeader, _) => nats_leader(dir),
+        (Fault::PgPrimary, _) => pg_primary(dir),
+        (Fault::RedisMaster, _) => redis_master(dir),
+        (Fault::Instance, Some(second)) => second.kill_and_restart(),
+        (Fault::Instance, None) => Err(anyhow::anyhow!("no second instance was started")),
     };
     let mut report = match result {
         Ok(report) => report,
@@ -228,7 +269,7 @@ fn inject(fault: Fault, dir: &std::path::Path, after: Duration) -> serde_json::V
     report["fault"] = fault.name().into();
     report["injected_after_s"] = after.as_secs().into();
     report["took_ms"] = (started.elapsed().as_millis() as u64).into();
-    report
+    (report, second)
 }
 
 fn nats_leader(dir: &std::path::Path) -> anyhow::Result<serde_json::Value> {
@@ -287,6 +328,99 @@ fn redis_master(dir: &std::path::Path) -> anyhow::Result<serde_json::Value> {
         "promoted_after_ms": promoted_ms,
         "healthy_again_after_ms": killed.elapsed().as_millis() as u64,
     }))
+}
+
+/// The `instance` fault's second engine instance: `flashsale serve` (with its worker) in a
+/// child process on the demo's stores, on ports chosen here so that a restart takes the same
+/// ones (the balancer's backend list does not change).
+struct SecondInstance {
+    command: std::process::Command,
+    child: std::process::Child,
+    http: SocketAddr,
+    admin: SocketAddr,
+}
+
+/// How long the second instance gets to answer `/readyz`.
+const INSTANCE_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl SecondInstance {
+    fn start(plan: &DemoPlan, config: &Config) -> anyhow::Result<SecondInstance> {
+        let http = SocketAddr::from(([127, 0, 0, 1], stack::free_port()?));
+        let admin = SocketAddr::from(([127, 0, 0, 1], stack::free_port()?));
+        let log_path = plan.dir.join("instance-2.log");
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("create {}", log_path.display()))?;
+        let mut command = std::process::Command::new(&plan.engine);
+        command
+            .args(["serve", "--no-pin", "--insecure-dev-auth", "--grace-s", "1"])
+            .args(["--shards", &config.shards.to_string()])
+            .args(["--http-addr", &http.to_string(), "--admin-addr", &admin.to_string()])
+            .args(["--redis-url", &config.redis_url, "--nats-url", &config.nats_url])
+            .args(["--pg-url", &config.pg_url, "--stack-dir"])
+            .arg(&plan.dir)
+            .env("FLASHSALE_LOG_REPLICAS", config.log.replicas.to_string())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let child = command.spawn().context("start the second instance")?;
+        let mut second = SecondInstance { command, child, http, admin };
+        second.wait_ready()?;
+        eprintln!("demo: second instance up on http://{http} (log {})", log_path.display());
+        Ok(second)
+    }
+
+    fn wait_ready(&mut self) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let client = crate::app::admin_cli::AdminClient {
+            addr: self.admin,
+            token: None,
+            timeout: Duration::from_secs(1),
+        };
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                anyhow::bail!("the second instance exited at start ({status})");
+            }
+            if client.get_json("/readyz").is_ok_and(|r| r.status == 200) {
+                return Ok(started.elapsed());
+            }
+            anyhow::ensure!(
+                started.elapsed() < INSTANCE_READY_TIMEOUT,
+                "the second instance not ready within {INSTANCE_READY_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// kill -9, 5 s down (the balancer's health check takes it out), then started again on
+    /// the same ports.
+    fn kill_and_restart(&mut self) -> anyhow::Result<serde_json::Value> {
+        let pid = self.child.id();
+        self.child.kill().context("kill -9 of the second instance")?;
+        self.child.wait()?;
+        let killed = Instant::now();
+        std::thread::sleep(Duration::from_secs(5));
+        self.child = self.command.spawn().context("restart the second instance")?;
+        let ready = self.wait_ready()?;
+        Ok(serde_json::json!({
+            "killed_pid": pid,
+            "killed": self.http.to_string(),
+            "restarted_after_ms": killed.elapsed().saturating_sub(ready).as_millis() as u64,
+            "ready_after_ms": killed.elapsed().as_millis() as u64,
+        }))
+    }
+
+    /// SIGTERM, then the wait for its exit (it drains for its 1 s grace).
+    fn stop(mut self) {
+        stack::signal_process(self.child.id(), libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {

@@ -140,10 +140,34 @@ impl DurableHandle {
         F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<T, PgError>> + Send + 'static,
     {
+        self.pg_bounded(None, f).await
+    }
+
+    /// [`DurableHandle::pg`] bounded by `timeout` instead of `pg_timeout_ms`: work that is
+    /// not a buyer's and may take longer, e.g. a reconcile report of a large SKU.
+    pub async fn pg_within<T, F, Fut>(&self, timeout: Duration, f: F) -> Result<T, DurableError>
+    where
+        T: Send + 'static,
+        F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T, PgError>> + Send + 'static,
+    {
+        self.pg_bounded(Some(timeout), f).await
+    }
+
+    async fn pg_bounded<T, F, Fut>(
+        &self,
+        timeout: Option<Duration>,
+        f: F,
+    ) -> Result<T, DurableError>
+    where
+        T: Send + 'static,
+        F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T, PgError>> + Send + 'static,
+    {
         self.call(|reply| {
-            DurableRequest::Pg(Box::new(move |pool, timeout| {
+            DurableRequest::Pg(Box::new(move |pool, default| {
                 Box::pin(async move {
-                    let _ = reply.send(with_pg(&pool, timeout, f).await);
+                    let _ = reply.send(with_pg(&pool, timeout.unwrap_or(default), f).await);
                 })
             }))
         })

@@ -76,6 +76,10 @@ pub struct ReconcileConfig {
     pub concurrent_max: usize,
     /// Most reservations re-read from PostgreSQL in step 3.
     pub recheck_max: usize,
+    /// Bound on each of the report's PostgreSQL reads (and their `statement_timeout`): a
+    /// snapshot of a large SKU is not a buyer's request and may take longer than the edge's
+    /// `pg_timeout_ms` (2 s), most of all while a sale keeps PostgreSQL busy.
+    pub pg_timeout_ms: u64,
     /// The periodic job runs on the one instance holding the reconcile lease
     /// (`durable/lease.rs`); others idle and take over within this period after the holder
     /// stops renewing (every period / 3). The same on every instance of one set of stores.
@@ -100,6 +104,7 @@ impl Default for ReconcileConfig {
             settle_attempts: 3,
             concurrent_max: 2,
             recheck_max: 10_000,
+            pg_timeout_ms: 30_000,
             // Twice the interval: an instance that stops costs at most one missed round
             // before another takes over.
             lease_ms: 60_000,
@@ -117,6 +122,9 @@ impl ReconcileConfig {
         }
         if self.concurrent_max == 0 || self.skus_per_round_max == 0 {
             return Err("reconcile concurrent_max and skus_per_round_max must be above 0");
+        }
+        if self.pg_timeout_ms == 0 {
+            return Err("reconcile pg_timeout_ms must be above 0");
         }
         if self.lease_ms < 30 {
             return Err("reconcile lease_ms must be at least 30 (renewed every lease_ms / 3)");

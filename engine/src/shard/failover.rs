@@ -124,8 +124,9 @@ async fn recover(shard: &Rc<Shard>) {
                 "redis failover: SKU reopened after a passing reconcile"
             );
         } else {
-            tracing::debug!(activity_id = key.activity_id, sku_id = key.sku_id,
-                deltas = ?report.deltas.values(), problems = ?report.problems,
+            tracing::warn!(activity_id = key.activity_id, sku_id = key.sku_id,
+                took_ms = report.took_ms, deltas = ?report.deltas.values(),
+                problems = ?report.problems,
                 "redis failover: reconcile not passing yet (GET .../reconcile lists the ids)");
         }
     }

@@ -198,17 +198,19 @@ pub async fn reconcile(shard: &Rc<Shard>, key: SkuKey) -> Report {
         recovery_deadline_ms: shard.config().scanner.recovery_deadline_ms,
         ids_listed_max: config.ids_listed_max,
     };
+    let pg_timeout = Duration::from_millis(config.pg_timeout_ms);
     let ids = (i64::try_from(key.activity_id), i64::try_from(key.sku_id));
     let pg = match ids {
         (Ok(activity_id), Ok(sku_id)) => {
             let limits = PgReconcileLimits {
                 ids_listed_max: config.ids_listed_max,
                 reservations_max: config.records_max,
+                statement_timeout_ms: config.pg_timeout_ms,
             };
             shard
                 .shared
                 .durable
-                .pg(move |mut client| async move {
+                .pg_within(pg_timeout, move |mut client| async move {
                     reconcile_postgres(&mut client, activity_id, sku_id, limits).await
                 })
                 .await
@@ -228,7 +230,9 @@ pub async fn reconcile(shard: &Rc<Shard>, key: SkuKey) -> Report {
             let read = shard
                 .shared
                 .durable
-                .pg(move |client| async move { reservation_statuses(&client, &ids).await })
+                .pg_within(pg_timeout, move |client| async move {
+                    reservation_statuses(&client, &ids).await
+                })
                 .await;
             match read {
                 Ok(rows) => rechecked = rows,

@@ -11,6 +11,13 @@
 //! and an idle one answers a lone message at once, with no pull request left open behind it
 //! (a dropped open request would strand a message until its ack wait).
 //!
+//! Every pull is bounded on the client too ([`PULL_ANSWER_GRACE`] beyond its own wait): a
+//! pull request is held by the consumer's leader, and a leader killed while holding it never
+//! answers (no 404, no 408), so without the bound the pull — and the order-writer task
+//! awaiting it — would wait forever after a consumer-leader change (found by the drill in
+//! `tests/tests/ha_log.rs`: submissions stayed closed by `BACKLOG_AGE`). The new leader
+//! knows nothing of the dead one's requests, so giving one up strands nothing.
+//!
 //! What it is not: the decision of how to settle. That is the caller's (the worker's
 //! sans-I/O classification). Acks are fire-and-forget publishes: a lost ack means a
 //! redelivery, which the PostgreSQL inbox absorbs.
@@ -32,6 +39,13 @@ use super::{
 /// Longest error text put into a dead letter's header (headers are one line each and count
 /// against the server's max payload).
 pub const DLQ_ERROR_LEN_MAX: usize = 1024;
+
+/// How long a pull may go unanswered beyond its own wait before it is given up (an error:
+/// the caller pauses and pulls again, reaching the new leader once there is one). A healthy
+/// leader answers a pull in milliseconds, a saturated one well under a second; every second
+/// more is a second the backlog waits after the election (5 s bound: submissions stayed
+/// closed by `BACKLOG_AGE` ~4 s past the new leader; 2 s: see README "HA deployment").
+pub const PULL_ANSWER_GRACE: Duration = Duration::from_secs(2);
 
 /// One durable pull consumer.
 #[derive(Clone)]
@@ -67,38 +81,79 @@ impl PullSource {
         if max == 0 {
             return Ok(out);
         }
-        self.fetch_available(max, &mut out).await?;
+        let result = self.fetch_into(max, wait, &mut out).await;
+        match result {
+            // What arrived before an error is handed over and settled as usual (dropping it
+            // would leave it unacked until its ack wait).
+            Err(e) if !out.is_empty() => {
+                tracing::warn!(consumer = self.name, error = %e, kept = out.len(), "pull cut short");
+                Ok(out)
+            }
+            Err(e) => Err(e),
+            Ok(()) => Ok(out),
+        }
+    }
+
+    async fn fetch_into(
+        &self,
+        max: usize,
+        wait: Duration,
+        out: &mut Vec<Delivery>,
+    ) -> Result<(), LogError> {
+        self.fetch_available(max, out).await?;
         if out.is_empty() && !wait.is_zero() {
+            let waiting = async {
+                let mut batch = self
+                    .consumer
+                    .batch()
+                    .max_messages(1)
+                    .expires(wait)
+                    .messages()
+                    .await
+                    .map_err(|e| self.fetch_error(e))?;
+                while let Some(message) = batch.next().await {
+                    out.push(Delivery::new(message.map_err(|e| self.fetch_error(e))?)?);
+                }
+                Ok::<(), LogError>(())
+            };
+            self.bounded(wait + PULL_ANSWER_GRACE, waiting).await?;
+            if !out.is_empty() && max > 1 {
+                self.fetch_available(max - 1, out).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn fetch_available(&self, max: usize, out: &mut Vec<Delivery>) -> Result<(), LogError> {
+        let pull = async {
             let mut batch = self
                 .consumer
-                .batch()
-                .max_messages(1)
-                .expires(wait)
+                .fetch()
+                .max_messages(max)
                 .messages()
                 .await
                 .map_err(|e| self.fetch_error(e))?;
             while let Some(message) = batch.next().await {
                 out.push(Delivery::new(message.map_err(|e| self.fetch_error(e))?)?);
             }
-            if !out.is_empty() && max > 1 {
-                self.fetch_available(max - 1, &mut out).await?;
-            }
-        }
-        Ok(out)
+            Ok(())
+        };
+        self.bounded(PULL_ANSWER_GRACE, pull).await
     }
 
-    async fn fetch_available(&self, max: usize, out: &mut Vec<Delivery>) -> Result<(), LogError> {
-        let mut batch = self
-            .consumer
-            .fetch()
-            .max_messages(max)
-            .messages()
-            .await
-            .map_err(|e| self.fetch_error(e))?;
-        while let Some(message) = batch.next().await {
-            out.push(Delivery::new(message.map_err(|e| self.fetch_error(e))?)?);
+    /// `pull` within `bound`, else a fetch error (see [`PULL_ANSWER_GRACE`]). Deliveries it
+    /// received before the bound stay in the caller's batch and are settled as usual.
+    async fn bounded(
+        &self,
+        bound: Duration,
+        pull: impl std::future::Future<Output = Result<(), LogError>>,
+    ) -> Result<(), LogError> {
+        match tokio::time::timeout(bound, pull).await {
+            Ok(result) => result,
+            Err(_) => Err(self.fetch_error(format!(
+                "no answer to the pull within {bound:?} (the consumer's leader may have changed)"
+            ))),
         }
-        Ok(())
     }
 
     fn fetch_error(&self, e: impl std::fmt::Display) -> LogError {

@@ -5,10 +5,14 @@
 //! [`LogLag`], an `Arc` of atomics written by the poller and read by anyone (the edge's
 //! admission reads it per request: two relaxed loads, no locks, no I/O).
 //!
-//! Oldest pending age: `SECKILL_ORDERS` is a work queue (acked and terminated messages leave
-//! it), so its first message IS the oldest unsettled one and the stream's `first_ts` gives the
-//! age in one call. A stream with limits retention would need the consumer's ack floor
-//! instead.
+//! Oldest pending age: the age of the oldest message not yet DELIVERED to a worker — the head
+//! of the queue a message published now waits behind (the consumer's delivered floor + 1, one
+//! message get, only when something is undelivered). Not the stream's first message: that
+//! may be one a worker has written already whose ack was lost (acks are fire-and-forget, and
+//! a consumer-leader change drops those in flight), and it stays in the work queue until its
+//! ack wait (30 s) redelivers it — counting its age closed submissions for that long with no
+//! backlog at all (found by the leader-kill drill in `tests/tests/ha_log.rs`). Messages in a
+//! worker's hands are counted in `pending`, bounded by `max_ack_pending`.
 //!
 //! Also here: [`placement`] (one stream's configured replicas and the peers current per its
 //! info's cluster section) and [`record_placement`], which sets the gauges
@@ -31,7 +35,7 @@ use super::LogError;
 pub struct LagSample {
     /// Messages not yet delivered plus delivered but not yet acked.
     pub pending: u64,
-    /// Age of the oldest message still in the stream (0 when none).
+    /// Age of the oldest message not yet delivered to a worker (0 when none).
     pub oldest_pending_age_ms: u64,
 }
 
@@ -88,12 +92,17 @@ pub(super) async fn poll(
     let consumer = stream.consumer_info(durable).await.map_err(|e| api(&e))?;
     let pending = consumer.num_pending + consumer.num_ack_pending as u64;
     let state = &stream.cached_info().state;
-    let oldest_pending_age_ms = if state.messages == 0 || pending == 0 {
+    let oldest_pending_age_ms = if state.messages == 0 || consumer.num_pending == 0 {
         0
     } else {
-        let first_ms =
-            u64::try_from(state.first_timestamp.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
-        now_ms.saturating_sub(first_ms)
+        let head = consumer.delivered.stream_sequence.saturating_add(1).max(state.first_sequence);
+        // The head's own time; if it cannot be read, the stream's first message (older or
+        // equal: a conservative age).
+        let head_ns = match stream.get_raw_message(head).await {
+            Ok(message) => message.time.unix_timestamp_nanos(),
+            Err(_) => state.first_timestamp.unix_timestamp_nanos(),
+        };
+        now_ms.saturating_sub(u64::try_from(head_ns / 1_000_000).unwrap_or(0))
     };
     Ok(LagSample { pending, oldest_pending_age_ms })
 }

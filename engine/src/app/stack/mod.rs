@@ -11,10 +11,12 @@
 //! and demo behave alike.
 //!
 //! Multi-node starters live beside this file and reuse its helpers: `nats_cluster` (three
-//! JetStream nodes) and `pg_standbys` (a PostgreSQL primary with two streaming standbys).
+//! JetStream nodes) and `pg_standbys` (a PostgreSQL primary with two streaming standbys);
+//! `balancer` puts HAProxy (TCP mode) in front of several engine instances.
 //!
 //! Not here: configuration of the engine (see `config`), migrations (`flashsale_pg_worker`).
 
+pub mod balancer;
 pub mod nats_cluster;
 pub mod pg_standbys;
 mod redis_cluster;
@@ -640,7 +642,7 @@ fn check_process(pid: u32, kind: Kind, port: u16) -> Result<(), String> {
 }
 
 #[allow(unsafe_code)]
-fn signal_process(pid: u32, signal: i32) {
+pub(crate) fn signal_process(pid: u32, signal: i32) {
     let Ok(pid) = i32::try_from(pid) else { return };
     // SAFETY: kill(2) has no memory-safety preconditions; pid was checked against
     // /proc/PID/cmdline by the caller, and a stale pid only yields ESRCH.
