@@ -104,6 +104,8 @@ fn bench(c: &mut Criterion) {
         key: SkuKey::new(10001, 20001),
         revision: 1,
         sold_out: true,
+        // The steady state after sell-out: the SKU's request records are loaded.
+        replays_complete: true,
         accepted: Arc::new(accepted),
     });
     let new_request = request(&pass, "req-new-01J0000000000000");

@@ -20,6 +20,14 @@
 //! by the periodic stock re-check ([`SkuPartition::stock_check_due`] and
 //! [`SkuPartition::on_stock_observed`]), and a replay unknown here goes to Redis, which
 //! answers `IDEMPOTENT`.
+//!
+//! Replays after sell-out need the requests OTHER instances accepted too: a buyer whose
+//! instance died before answering retries elsewhere and must get the first result, not
+//! `SOLD_OUT` (found by the instance-kill drill in `tests/tests/crash_drills.rs`). So when the
+//! flag flips to sold out the map is marked incomplete, the shard loads every request record
+//! of the SKU from Redis ([`SkuPartition::replay_load_due`], `shard/replays.rs`), and until
+//! [`SkuPartition::on_replays_loaded`] completes it, a request id unknown here goes to Redis
+//! (which answers `IDEMPOTENT` or `SOLD_OUT`) instead of being answered `SOLD_OUT` locally.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -184,6 +192,9 @@ pub struct ReplicaUpdate {
     pub key: SkuKey,
     pub revision: u64,
     pub sold_out: bool,
+    /// The map holds every request of the SKU Redis knows (loaded after sell-out): an id not
+    /// in it may be answered `SOLD_OUT` locally.
+    pub replays_complete: bool,
     pub accepted: Arc<AcceptedMap>,
 }
 
@@ -202,6 +213,10 @@ pub struct SkuPartition {
     stock_checked_ms: u64,
     /// When a failover of its Redis node was seen; cleared by a passing reconcile.
     failover_since_ms: Option<u64>,
+    /// See the module documentation: false from the flip to sold out until the load of the
+    /// SKU's request records is merged.
+    replays_complete: bool,
+    replays_loading: bool,
 }
 
 impl SkuPartition {
@@ -219,6 +234,8 @@ impl SkuPartition {
             bucket_refilled_ms: now_ms,
             stock_checked_ms: now_ms,
             failover_since_ms: None,
+            replays_complete: false,
+            replays_loading: false,
         }
     }
 
@@ -271,9 +288,10 @@ impl SkuPartition {
         if self.failover_since_ms.is_some() {
             return SubmitPlan::RedisFailover;
         }
-        if self.sold_out {
+        if self.sold_out && self.replays_complete {
             return SubmitPlan::SoldOut;
         }
+        // Sold out with the replays not loaded yet: Redis decides (IDEMPOTENT or SOLD_OUT).
         self.refill(now_ms);
         if self.in_flight >= self.limits.in_flight_max || self.bucket_tokens_milli < 1000 {
             return SubmitPlan::Overloaded { retry_after_ms: self.limits.overloaded_retry_ms };
@@ -386,18 +404,64 @@ impl SkuPartition {
         }
     }
 
+    /// True once per needed load: sold out, the replays incomplete, no load running. The
+    /// caller loads the SKU's request records and hands them to
+    /// [`SkuPartition::on_replays_loaded`].
+    pub fn replay_load_due(&mut self) -> bool {
+        let due = self.sold_out && !self.replays_complete && !self.replays_loading;
+        self.replays_loading |= due;
+        due
+    }
+
+    /// The SKU's request records from Redis (`None`: the load failed; a later
+    /// [`SkuPartition::replay_load_due`] retries). Entries this instance holds stay; the
+    /// others are added within the map's bounds. Complete — a flip for the replicas — only
+    /// when every record fits; otherwise unknown ids keep going to Redis (slower, correct).
+    pub fn on_replays_loaded(
+        &mut self,
+        loaded: Option<Vec<(u64, Accepted)>>,
+        budget: &mut AcceptedBudget,
+    ) -> Option<ReplicaUpdate> {
+        self.replays_loading = false;
+        let loaded = loaded?;
+        if !self.sold_out {
+            // Stock came back meanwhile: the next sell-out loads again.
+            return None;
+        }
+        let mut fits = true;
+        for (user_id, entry) in loaded {
+            if !self.accepted.contains_key(&user_id) {
+                self.remember(user_id, entry, budget);
+                fits &= self.accepted.contains_key(&user_id);
+            }
+        }
+        if !fits {
+            return None;
+        }
+        self.replays_complete = true;
+        self.bump_revision();
+        Some(self.replica_update())
+    }
+
     fn set_sold_out(&mut self, sold_out: bool) -> Option<ReplicaUpdate> {
         if self.sold_out == sold_out {
             return None;
         }
         self.sold_out = sold_out;
+        if sold_out {
+            self.replays_complete = false;
+        }
+        self.bump_revision();
+        Some(self.replica_update())
+    }
+
+    fn bump_revision(&mut self) {
         let previous = self.revision;
         self.revision += 1;
         // Replicas apply only newer revisions: a revision that did not grow would be ignored
         // everywhere and leave a stale flag (a buyer told SOLD_OUT with stock left, or worse,
         // a sold-out SKU sent to Redis by every shard).
         assert!(self.revision > previous, "replica revisions must grow");
-        Some(self.replica_update())
     }
 
     /// The current state for replicas (also sent to a shard that starts late).
@@ -406,8 +470,9 @@ impl SkuPartition {
             key: self.key,
             revision: self.revision,
             sold_out: self.sold_out,
-            // Copied only when the flag flips (a handful of times per sale), bounded by
-            // accepted_max entries.
+            replays_complete: self.replays_complete,
+            // Copied only when the flag flips and once more when the replays are loaded (a
+            // handful of times per sale), bounded by accepted_max entries.
             accepted: Arc::new(self.accepted.clone()),
         }
     }
@@ -428,6 +493,7 @@ pub enum FastPath {
 pub struct SkuReplica {
     revision: u64,
     sold_out: bool,
+    replays_complete: bool,
     accepted: Arc<AcceptedMap>,
 }
 
@@ -439,6 +505,7 @@ impl SkuReplica {
         }
         self.revision = update.revision;
         self.sold_out = update.sold_out;
+        self.replays_complete = update.replays_complete;
         self.accepted = Arc::clone(&update.accepted);
         true
     }
@@ -456,7 +523,9 @@ impl SkuReplica {
         match self.accepted.get(&user_id).filter(|e| &*e.request_id == request_id) {
             Some(entry) if &*entry.payload_hash == payload_hash => FastPath::Replay(entry.clone()),
             Some(_) => FastPath::Conflict,
-            None => FastPath::SoldOut,
+            None if self.replays_complete => FastPath::SoldOut,
+            // Maybe another instance's acceptance, not loaded yet: the owner asks Redis.
+            None => FastPath::Forward,
         }
     }
 }
@@ -541,17 +610,58 @@ mod tests {
         let update = p
             .on_reserve(pm, uid("r2"), ReserveSeen::SoldOut, &mut AcceptedBudget::unlimited())
             .expect("flag flips");
-        assert!(update.sold_out && update.revision == 1);
+        assert!(update.sold_out && update.revision == 1 && !update.replays_complete);
         assert_eq!(p.plan_submit(uid("r1"), "r1", "h", 1), SubmitPlan::Replay(accepted(1, "h")));
         assert_eq!(p.plan_submit(uid("r1"), "r1", "other", 1), SubmitPlan::Conflict);
-        assert_eq!(p.plan_submit(uid("r3"), "r3", "h", 1), SubmitPlan::SoldOut);
-        assert_eq!(p.in_flight(), 0);
-
+        // Until the SKU's records are loaded, an id unknown here may be another instance's
+        // acceptance: Redis answers it (IDEMPOTENT or SOLD_OUT), on the owner and replicas.
+        let unknown = p.plan_submit(uid("r5"), "r5", "h", 1);
+        let SubmitPlan::CallRedis(pm) = unknown else { panic!("{unknown:?}") };
+        p.release(pm);
         let mut replica = SkuReplica::default();
         assert!(replica.apply(&update));
         assert_eq!(replica.fast_path(uid("r1"), "r1", "h"), FastPath::Replay(accepted(1, "h")));
         assert_eq!(replica.fast_path(uid("r1"), "r1", "x"), FastPath::Conflict);
+        assert_eq!(replica.fast_path(uid("r5"), "r5", "h"), FastPath::Forward);
+
+        // One load at a time; a failed one is due again.
+        assert!(p.replay_load_due());
+        assert!(!p.replay_load_due(), "a load is running");
+        assert!(p.on_replays_loaded(None, &mut AcceptedBudget::unlimited()).is_none());
+        assert!(p.replay_load_due());
+        // Loaded: r5 was accepted by another instance (as Redis has it), r1 stays ours.
+        let loaded = vec![(uid("r5"), accepted(5, "h")), (uid("r1"), accepted(1, "stale"))];
+        let update = p
+            .on_replays_loaded(Some(loaded), &mut AcceptedBudget::unlimited())
+            .expect("complete: a flip for the replicas");
+        assert!(update.sold_out && update.replays_complete && update.revision == 2);
+        assert!(!p.replay_load_due(), "complete");
+        assert_eq!(p.plan_submit(uid("r5"), "r5", "h", 1), SubmitPlan::Replay(accepted(5, "h")));
+        assert_eq!(p.plan_submit(uid("r1"), "r1", "h", 1), SubmitPlan::Replay(accepted(1, "h")));
+        assert_eq!(p.plan_submit(uid("r3"), "r3", "h", 1), SubmitPlan::SoldOut);
+        assert_eq!(p.in_flight(), 0);
+        assert!(replica.apply(&update));
+        assert_eq!(replica.fast_path(uid("r5"), "r5", "h"), FastPath::Replay(accepted(5, "h")));
         assert_eq!(replica.fast_path(uid("r9"), "r9", "h"), FastPath::SoldOut);
+    }
+
+    #[test]
+    fn replays_loaded_after_the_stock_came_back_or_past_the_bound_complete_nothing() {
+        let mut p = SkuPartition::new(key(), limits(), 0);
+        let pm = permit(&mut p, "r1", 0);
+        p.on_reserve(pm, uid("r1"), ReserveSeen::SoldOut, &mut AcceptedBudget::unlimited());
+        assert!(p.replay_load_due());
+        assert!(p.on_stock_observed(1, 10).is_some(), "stock came back: not sold out");
+        let loaded = vec![(uid("r5"), accepted(5, "h"))];
+        assert!(p.on_replays_loaded(Some(loaded), &mut AcceptedBudget::unlimited()).is_none());
+        // Sold out again: a load is due again, and more records than the map holds leave
+        // it incomplete (unknown ids keep going to Redis).
+        let pm = permit(&mut p, "r2", 20);
+        p.on_reserve(pm, uid("r2"), ReserveSeen::SoldOut, &mut AcceptedBudget::unlimited());
+        assert!(p.replay_load_due());
+        let many: Vec<_> = (0..5).map(|n| (uid(&format!("m{n}")), accepted(n, "h"))).collect();
+        assert!(p.on_replays_loaded(Some(many), &mut AcceptedBudget::unlimited()).is_none());
+        assert!(matches!(p.plan_submit(uid("z"), "z", "h", 30), SubmitPlan::CallRedis(_)));
     }
 
     #[test]
@@ -568,6 +678,8 @@ mod tests {
             .expect("flip");
         assert!(update.sold_out);
         assert_eq!(update.accepted.get(&uid("r1")), Some(&accepted(1, "h")));
+        assert!(p.replay_load_due());
+        assert!(p.on_replays_loaded(Some(Vec::new()), &mut AcceptedBudget::unlimited()).is_some());
         assert_eq!(p.plan_submit(uid("r2"), "r2", "h", 0), SubmitPlan::SoldOut);
     }
 

@@ -483,6 +483,22 @@ impl OwnerState {
         marked.filter_map(|(k, p)| Some((*k, p.failover_since_ms()?))).collect()
     }
 
+    /// Whether the SKU's request records should be loaded now (sold out, replays incomplete,
+    /// no load running); see `logic/partition.rs`.
+    pub fn replay_load_due(&mut self, key: SkuKey) -> bool {
+        self.own_partition(key).is_some_and(SkuPartition::replay_load_due)
+    }
+
+    /// The load's result (`None`: failed); a flip for the replicas when the map is complete.
+    pub fn on_replays_loaded(
+        &mut self,
+        key: SkuKey,
+        loaded: Option<Vec<(u64, Accepted)>>,
+    ) -> Option<ReplicaUpdate> {
+        let partition = self.partitions.get_mut(&key).filter(|_| key != UNTRACKED)?;
+        partition.on_replays_loaded(loaded, &mut self.accepted_budget)
+    }
+
     /// A compensation returned a unit: not sold out any more.
     pub fn on_stock_returned(&mut self, key: SkuKey) -> Option<ReplicaUpdate> {
         self.own_partition(key)?.on_stock_returned()

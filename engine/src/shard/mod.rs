@@ -9,7 +9,8 @@
 //!   payments; [`admin`]: the admin plane (shard 0 only);
 //! - [`publish`]: THE path an order-create message takes to the log (submit and scanner);
 //! - [`scanner`]: the republish scanner; [`sync`]: the owner's side of `redis-sync`;
-//!   [`refresh`]: the activity snapshot and stale sold-out re-reads; [`reconcile`]: the
+//!   [`refresh`]: the activity snapshot and stale sold-out re-reads; [`replays`]: the replay
+//!   map completed from Redis after sell-out; [`reconcile`]: the
 //!   reconcile report's reads and its periodic job; [`failover`]: Redis failovers close
 //!   their SKUs until a reconcile passes.
 //!
@@ -26,6 +27,7 @@ pub mod publish;
 pub mod query;
 pub mod reconcile;
 pub mod refresh;
+pub mod replays;
 pub mod scanner;
 pub mod stuck;
 pub mod submit;

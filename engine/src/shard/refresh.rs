@@ -86,14 +86,17 @@ pub fn spawn_notices(
     .detach();
 }
 
-async fn recheck_stock(shard: &Shard) {
+/// Re-reads `stock` of each SKU whose sold-out flag is due; a SKU that stays sold out gets
+/// its replay load retried when the last one failed (`replays.rs`).
+async fn recheck_stock(shard: &Rc<Shard>) {
     let due = shard.owner.borrow().stock_checks_due(now_ms());
     for key in due {
         let keys = shard.sku_keys(key);
         let Ok(stock) = shard.functions.read_stock(&keys).await else { continue };
         let update = shard.owner.borrow_mut().on_stock_observed(key, stock.unwrap_or(0), now_ms());
-        if let Some(update) = update {
-            shard.broadcast(update);
+        match update {
+            Some(update) => shard.broadcast(update),
+            None => super::replays::ensure_loaded(shard, key),
         }
     }
 }

@@ -237,7 +237,11 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &SubmitRequest<'_>) -> SubmitA
     let circuit = u64::from(finish.redis_circuit.metric_value());
     shard.metrics().redis_circuit.store(circuit, Ordering::Relaxed);
     if let Some(update) = finish.replica {
+        let sold_out = update.sold_out;
         shard.broadcast(update);
+        if sold_out {
+            super::replays::ensure_loaded(shard, s.key);
+        }
     }
     let Some(message) = finish.publish else { return finish.answer };
     #[cfg(feature = "failpoints")]

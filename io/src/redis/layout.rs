@@ -90,6 +90,17 @@ pub struct RequestRecord {
     pub user_id: Option<u64>,
 }
 
+/// What a replay of a request needs from its `req` hash (`reserve`'s `IDEMPOTENT` fields):
+/// loaded into an instance's replay map after sell-out.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ReplayRecord {
+    pub payload_hash: String,
+    pub reservation_id: String,
+    pub message_id: String,
+    /// `QUEUED_PENDING`, `QUEUED`, `SUCCEEDED`, `FAILED`.
+    pub state: String,
+}
+
 /// The sizes that a reservation or an outcome moves: `stock`, `resv:pending`, `resv:stuck`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SkuCounters {

@@ -1,6 +1,7 @@
 //! The typed reads (and the one plain write) the engine makes outside the `seckill`
-//! functions: a SKU's `meta` and `stock`, a request's record, the active-SKU set, the pending
-//! sample behind the pending gauges, and what reconcile reads (CONTRACT.md section 5).
+//! functions: a SKU's `meta` and `stock`, a request's record (and its replay fields), the
+//! active-SKU set, the pending sample behind the pending gauges, and what reconcile reads
+//! (CONTRACT.md section 5).
 //!
 //! Why here: `io::redis` owns every key name and every command, so the engine never spells
 //! one. Each read returns a record of [`super::layout`]; a reply of the wrong shape reads as
@@ -12,8 +13,8 @@
 //! bounded by its arguments (`SCAN` by `count`, `ZRANGE` by `n`).
 
 use crate::redis::layout::{
-    ActivityStatus, KeyPage, MetaRecord, PendingSample, RequestRecord, ReservationRecord,
-    SkuCounters, SkuFlags, SkuMember, StuckEntry, ACTIVE_SKUS_KEY,
+    ActivityStatus, KeyPage, MetaRecord, PendingSample, ReplayRecord, RequestRecord,
+    ReservationRecord, SkuCounters, SkuFlags, SkuMember, StuckEntry, ACTIVE_SKUS_KEY,
 };
 use crate::redis::script::{Functions, PendingEntry, PendingStatus, ScriptError, SkuKeys};
 use crate::redis::slot::Slot;
@@ -121,6 +122,28 @@ impl Functions {
             reason_code: owned(field(fields, 3)),
             user_id: uint(field(fields, 4)),
         }))
+    }
+
+    /// What a replay of the buyer's request needs (`None`: no record, or one without its
+    /// ids).
+    pub async fn read_replay(
+        &self,
+        keys: &SkuKeys,
+        user_id: u64,
+        request_id: &str,
+    ) -> Result<Option<ReplayRecord>, ScriptError> {
+        let req = keys.req(user_id, request_id)?;
+        let fields: [&[u8]; 6] =
+            [b"HMGET", req.as_bytes(), b"payload_hash", b"reservation_id", b"message_id", b"state"];
+        let reply = self.read(keys.slot(), &fields).await?;
+        let fields = reply.as_array().unwrap_or_default();
+        let text = |i| owned(field(fields, i));
+        Ok(match (text(0), text(1), text(2), text(3)) {
+            (Some(payload_hash), Some(reservation_id), Some(message_id), Some(state)) => {
+                Some(ReplayRecord { payload_hash, reservation_id, message_id, state })
+            }
+            _ => None,
+        })
     }
 
     /// Every member of the active-SKU set that parses (strangers are skipped).

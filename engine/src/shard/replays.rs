@@ -1,0 +1,104 @@
+//! After sell-out, the replay map is completed from Redis (`logic/partition.rs` says why):
+//! the owner shard reads every request record of the SKU — a `SCAN` of its keys for the
+//! `req:` records, then each record's replay fields, `LOAD_BATCH` at a time pipelined on the
+//! shard's connection — and hands them to the partition, which merges them and, once complete,
+//! lets every shard answer unknown request ids `SOLD_OUT` locally again. Until then those go
+//! to Redis. A failed load is retried by the stock re-check loop (`refresh.rs`) while the SKU
+//! stays sold out.
+//!
+//! Cost: one load per sell-out per instance, O(records of the SKU) reads, bounded by the
+//! partition's `accepted_max` (a SKU with more records than that never completes and keeps
+//! sending unknown ids to Redis: slower, still correct).
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use flashsale_io::redis::script::{ScriptError, SkuKeys};
+
+use super::Shard;
+use crate::logic::partition::{Accepted, AcceptedState};
+use crate::logic::router::SkuKey;
+
+/// Records read at once (pipelined on the owner's Redis connection, far below its in-flight
+/// bound so buyers keep their share).
+const LOAD_BATCH: usize = 128;
+/// `SCAN ... COUNT` hint.
+const SCAN_COUNT: u32 = 1_000;
+
+/// Starts the load of `key`'s request records when one is due (sold out, map incomplete, no
+/// load running).
+pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
+    if !shard.owner.borrow_mut().replay_load_due(key) {
+        return;
+    }
+    let shard = Rc::clone(shard);
+    glommio::spawn_local(async move {
+        let keys = shard.sku_keys(key);
+        let loaded = match load(&shard, &keys).await {
+            Ok(loaded) => Some(loaded),
+            Err(e) => {
+                tracing::warn!(activity_id = key.activity_id, sku_id = key.sku_id, error = %e,
+                    "replays after sell-out not loaded; unknown request ids go to Redis");
+                None
+            }
+        };
+        let count = loaded.as_ref().map_or(0, Vec::len);
+        let update = shard.owner.borrow_mut().on_replays_loaded(key, loaded);
+        if let Some(update) = update {
+            tracing::debug!(
+                activity_id = key.activity_id,
+                sku_id = key.sku_id,
+                count,
+                "replays after sell-out loaded"
+            );
+            shard.broadcast(update);
+        }
+    })
+    .detach();
+}
+
+/// Every request record of the SKU as (buyer, accepted entry).
+async fn load(shard: &Shard, keys: &SkuKeys) -> Result<Vec<(u64, Accepted)>, ScriptError> {
+    let mut names = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let page = shard.functions.scan_sku_keys(keys, cursor, SCAN_COUNT).await?;
+        names.extend(page.request_records);
+        cursor = page.next_cursor;
+        if cursor == 0 {
+            break;
+        }
+    }
+    // `req:` suffixes are `{user_id}:{request_id}` (request ids are scoped per buyer).
+    let requests: Vec<(u64, String)> = names
+        .iter()
+        .filter_map(|n| n.split_once(':'))
+        .filter_map(|(user, request)| Some((user.parse().ok()?, request.to_owned())))
+        .collect();
+    let mut out = Vec::with_capacity(requests.len());
+    for batch in requests.chunks(LOAD_BATCH) {
+        let reads = batch.iter().map(|(user, request)| async move {
+            let record = shard.functions.read_replay(keys, *user, request).await?;
+            Ok::<_, ScriptError>(record.map(|r| (*user, accepted(request, r))))
+        });
+        for read in futures::future::join_all(reads).await {
+            out.extend(read?);
+        }
+    }
+    Ok(out)
+}
+
+fn accepted(request_id: &str, r: flashsale_io::redis::layout::ReplayRecord) -> Accepted {
+    Accepted {
+        request_id: Arc::from(request_id),
+        reservation_id: Arc::from(r.reservation_id.as_str()),
+        message_id: Arc::from(r.message_id.as_str()),
+        payload_hash: Arc::from(r.payload_hash.as_str()),
+        // As `reserve`'s IDEMPOTENT is read (`shard/submit.rs`): QUEUED_PENDING stays, any
+        // later state means the first answer was QUEUED.
+        state: match r.state.as_str() {
+            "QUEUED_PENDING" => AcceptedState::QueuedPending,
+            _ => AcceptedState::Queued,
+        },
+    }
+}
