@@ -418,8 +418,17 @@ impl SecondInstance {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // Still running after 20 s: Drop kills it.
+    }
+}
+
+/// A demo that fails part-way must not leave the second instance running.
+impl Drop for SecondInstance {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 

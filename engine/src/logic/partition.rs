@@ -404,6 +404,11 @@ impl SkuPartition {
         }
     }
 
+    /// This request id of this buyer is in the replay map.
+    pub fn knows_request(&self, user_id: u64, request_id: &str) -> bool {
+        self.accepted.get(&user_id).is_some_and(|e| &*e.request_id == request_id)
+    }
+
     /// True once per needed load: sold out, the replays incomplete, no load running. The
     /// caller loads the SKU's request records and hands them to
     /// [`SkuPartition::on_replays_loaded`].

@@ -489,6 +489,12 @@ impl OwnerState {
         self.own_partition(key).is_some_and(SkuPartition::replay_load_due)
     }
 
+    /// Whether this instance's replay map already holds this request (its record need not be
+    /// read again).
+    pub fn knows_request(&self, key: SkuKey, user_id: u64, request_id: &str) -> bool {
+        self.partitions.get(&key).is_some_and(|p| p.knows_request(user_id, request_id))
+    }
+
     /// The load's result (`None`: failed); a flip for the replicas when the map is complete.
     pub fn on_replays_loaded(
         &mut self,

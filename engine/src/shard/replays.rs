@@ -1,7 +1,8 @@
 //! After sell-out, the replay map is completed from Redis (`logic/partition.rs` says why):
-//! the owner shard reads every request record of the SKU — a `SCAN` of its keys for the
-//! `req:` records, then each record's replay fields, `LOAD_BATCH` at a time pipelined on the
-//! shard's connection — and hands them to the partition, which merges them and, once complete,
+//! the owner shard lists the SKU's request records — a `SCAN` of its keys for the `req:`
+//! records — reads the replay fields of those its map does not hold yet (the other
+//! instances' acceptances; none with one instance), `LOAD_BATCH` at a time pipelined on the
+//! shard's connection, and hands them to the partition, which merges them and, once complete,
 //! lets every shard answer unknown request ids `SOLD_OUT` locally again. Until then those go
 //! to Redis. A failed load is retried by the stock re-check loop (`refresh.rs`) while the SKU
 //! stays sold out.
@@ -22,8 +23,9 @@ use crate::logic::router::SkuKey;
 /// Records read at once (pipelined on the owner's Redis connection, far below its in-flight
 /// bound so buyers keep their share).
 const LOAD_BATCH: usize = 128;
-/// `SCAN ... COUNT` hint.
-const SCAN_COUNT: u32 = 1_000;
+/// `SCAN ... COUNT` hint: few round trips while every sold-out request of the SKU waits on
+/// Redis, each call a few milliseconds of Redis time.
+const SCAN_COUNT: u32 = 5_000;
 
 /// Starts the load of `key`'s request records when one is due (sold out, map incomplete, no
 /// load running).
@@ -33,8 +35,9 @@ pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
     }
     let shard = Rc::clone(shard);
     glommio::spawn_local(async move {
+        let started = std::time::Instant::now();
         let keys = shard.sku_keys(key);
-        let loaded = match load(&shard, &keys).await {
+        let loaded = match load(&shard, key, &keys).await {
             Ok(loaded) => Some(loaded),
             Err(e) => {
                 tracing::warn!(activity_id = key.activity_id, sku_id = key.sku_id, error = %e,
@@ -45,11 +48,12 @@ pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
         let count = loaded.as_ref().map_or(0, Vec::len);
         let update = shard.owner.borrow_mut().on_replays_loaded(key, loaded);
         if let Some(update) = update {
-            tracing::debug!(
+            tracing::info!(
                 activity_id = key.activity_id,
                 sku_id = key.sku_id,
                 count,
-                "replays after sell-out loaded"
+                took_ms = started.elapsed().as_millis() as u64,
+                "replays after sell-out loaded (count: other instances' acceptances)"
             );
             shard.broadcast(update);
         }
@@ -58,7 +62,11 @@ pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
 }
 
 /// Every request record of the SKU as (buyer, accepted entry).
-async fn load(shard: &Shard, keys: &SkuKeys) -> Result<Vec<(u64, Accepted)>, ScriptError> {
+async fn load(
+    shard: &Shard,
+    key: SkuKey,
+    keys: &SkuKeys,
+) -> Result<Vec<(u64, Accepted)>, ScriptError> {
     let mut names = Vec::new();
     let mut cursor = 0u64;
     loop {
@@ -69,12 +77,17 @@ async fn load(shard: &Shard, keys: &SkuKeys) -> Result<Vec<(u64, Accepted)>, Scr
             break;
         }
     }
-    // `req:` suffixes are `{user_id}:{request_id}` (request ids are scoped per buyer).
+    // `req:` suffixes are `{user_id}:{request_id}` (request ids are scoped per buyer); the
+    // ones this instance accepted itself are in its map already.
+    let owner = shard.owner.borrow();
     let requests: Vec<(u64, String)> = names
         .iter()
         .filter_map(|n| n.split_once(':'))
-        .filter_map(|(user, request)| Some((user.parse().ok()?, request.to_owned())))
+        .filter_map(|(user, request)| Some((user.parse().ok()?, request)))
+        .filter(|(user, request)| !owner.knows_request(key, *user, request))
+        .map(|(user, request)| (user, request.to_owned()))
         .collect();
+    drop(owner);
     let mut out = Vec::with_capacity(requests.len());
     for batch in requests.chunks(LOAD_BATCH) {
         let reads = batch.iter().map(|(user, request)| async move {
