@@ -79,15 +79,16 @@ async fn load(
     }
     // `req:` suffixes are `{user_id}:{request_id}` (request ids are scoped per buyer); the
     // ones this instance accepted itself are in its map already.
-    let owner = shard.owner.borrow();
-    let requests: Vec<(u64, String)> = names
-        .iter()
-        .filter_map(|n| n.split_once(':'))
-        .filter_map(|(user, request)| Some((user.parse().ok()?, request)))
-        .filter(|(user, request)| !owner.knows_request(key, *user, request))
-        .map(|(user, request)| (user, request.to_owned()))
-        .collect();
-    drop(owner);
+    let requests: Vec<(u64, String)> = {
+        let owner = shard.owner.borrow();
+        names
+            .iter()
+            .filter_map(|n| n.split_once(':'))
+            .filter_map(|(user, request)| Some((user.parse().ok()?, request)))
+            .filter(|(user, request)| !owner.knows_request(key, *user, request))
+            .map(|(user, request)| (user, request.to_owned()))
+            .collect()
+    };
     let mut out = Vec::with_capacity(requests.len());
     for batch in requests.chunks(LOAD_BATCH) {
         let reads = batch.iter().map(|(user, request)| async move {
