@@ -20,10 +20,12 @@
 //!   alone would pick it when it is listed first (FIELD-NOTES.md). A connector that has seen
 //!   no timeline yet first asks every host at once (one deadline in all) and learns the
 //!   highest writable timeline, so a fresh process is not fooled either; so does a connector
-//!   one of whose connections was lost since its last connect (a server that shut down or
-//!   stopped answering: a failover may have happened while it was idle — a pool that saw
-//!   only the old primary would otherwise go back to it as its last good host once it came
-//!   back writable, found by the mid-sale drill in `tests/tests/ha_pg.rs`). When the connector
+//!   one of whose connections ended since its last connect (a server that shut down, or one
+//!   the caller discarded as unresponsive: a failover may have happened meanwhile — found by
+//!   the mid-sale drill in `tests/tests/ha_pg.rs`: an idle pool went back to the old primary
+//!   as its last good host once it was writable again, and the worker kept reconnecting to a
+//!   frozen-then-resumed old primary whose COMMITs wait forever for the synchronous standby
+//!   that had been promoted away). When the connector
 //!   learns a higher timeline it closes its connections that are behind it (the pool then
 //!   discards them as closed), so a connection opened before the failover cannot keep
 //!   writing to the old primary. The timeline is read as the first 8 hex digits of
@@ -251,7 +253,7 @@ struct Learned {
     last_good: AtomicUsize,
     /// Highest timeline seen on a writable host; 0 = none yet.
     timeline_max: AtomicU32,
-    /// A connection ended with an error since the last connect: survey before the next one.
+    /// A connection ended since the last connect: survey before the next one.
     lost: Arc<AtomicBool>,
     /// Each live connection's timeline and task, so the ones behind a newly learned timeline
     /// can be closed. Pruned of finished tasks on every insert: bounded by live connections.
@@ -331,8 +333,8 @@ impl Connector {
         let probes = (0..self.hosts.len()).map(|index| async move {
             match tokio::time::timeout(self.deadline, self.open_and_probe(index)).await {
                 Ok(Ok((client, task, role))) => {
-                    drop(client);
                     task.abort();
+                    drop(client);
                     role.writable.then_some(role.timeline).flatten()
                 }
                 _ => None,
@@ -370,8 +372,8 @@ impl Connector {
                 )
             }
         };
-        drop(client);
         task.abort();
+        drop(client);
         metrics::counter!("flashsale_pg_connects_total", "result" => refusal.0).increment(1);
         let message = format!("host {index} (port {}) {}", self.hosts[index].port, refusal.1);
         Err(minted_error(std::io::ErrorKind::PermissionDenied, message).await)
@@ -387,8 +389,12 @@ impl Connector {
         let task = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "postgres connection ended");
-                lost.store(true, Ordering::Release);
             }
+            // Any end of a connection in use — the server went away, or the caller discarded
+            // it as unresponsive (a transaction past its deadline: e.g. a COMMIT waiting for a
+            // synchronous standby that was promoted away) — may mean a failover: survey before
+            // the next connect. Probes and refused hosts are aborted first and never get here.
+            lost.store(true, Ordering::Release);
         });
         // Dropped with the future when the deadline passes: the task must not outlive it.
         let guard = AbortOnDrop(Some(task));

@@ -216,6 +216,22 @@ pub async fn pg_database() -> TestDb {
     TestDb { url, name }
 }
 
+/// [`pg_database`] with the schema migrated (blocking: for tests without a runtime of their
+/// own running).
+pub fn migrated_database() -> TestDb {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let db = pg_database().await;
+        let (mut client, conn) =
+            tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
+        let driver = tokio::spawn(conn);
+        flashsale_pg_worker::migrate(&mut client).await.unwrap();
+        drop(client);
+        let _ = driver.await;
+        db
+    })
+}
+
 /// Runs `f` on a fresh glommio executor (unpinned, small io memory so several executors fit
 /// in the 8 MiB memlock limit) and returns its output.
 pub fn glommio<T, F>(f: impl FnOnce() -> F + Send + 'static) -> T

@@ -108,7 +108,11 @@ fn a_killed_master_closes_only_its_skus_until_a_reconcile_passes() {
     engine.create_activity(control_activity, control, 5_000);
     let answers = Arc::new(Mutex::new(Answers::default()));
     let control_sold = Arc::new(Mutex::new(Vec::new()));
-    let stop_at = Instant::now() + Duration::from_secs(14);
+    // Buyers keep coming for 14 s, and past that until the hot SKU has reopened (a QUEUED
+    // after a REDIS_FAILOVER) or 40 s: how long the reopening takes is reported, not bounded.
+    let started = Instant::now();
+    let (min_stop, max_stop) =
+        (started + Duration::from_secs(14), started + Duration::from_secs(40));
     let buyers: Vec<_> = (0..4u64)
         .map(|t| {
             let (engine, answers, control_sold) =
@@ -116,7 +120,14 @@ fn a_killed_master_closes_only_its_skus_until_a_reconcile_passes() {
             std::thread::spawn(move || {
                 let mut c = HttpClient::connect(engine.http());
                 let mut n = 0u64;
-                while Instant::now() < stop_at {
+                let reopened = |a: &Answers| {
+                    let closed =
+                        a.timeline.iter().rposition(|(_, x)| x == "SUBMIT_CLOSED:REDIS_FAILOVER");
+                    closed.is_some_and(|i| a.timeline[i..].iter().any(|(_, x)| x == "QUEUED"))
+                };
+                while Instant::now() < max_stop
+                    && (Instant::now() < min_stop || !reopened(&answers.lock().unwrap()))
+                {
                     n += 1;
                     let user = t * 100_000 + n;
                     let id = format!("kill-{user}");

@@ -78,18 +78,8 @@ fn log_replicas_3_makes_every_stream_r3_and_the_placement_gauges_follow_the_peer
     let shared = shared_cluster();
     let mut cluster = shared.lock().unwrap_or_else(PoisonError::into_inner);
     cluster.wait_healthy(Duration::from_secs(30)).expect("healthy");
-    let rt = runtime();
     let redis = flashsale_tests::redis();
-    let db = rt.block_on(async {
-        let db = flashsale_tests::pg_database().await;
-        let (mut client, conn) =
-            tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
-        let driver = tokio::spawn(conn);
-        flashsale_pg_worker::migrate(&mut client).await.unwrap();
-        drop(client);
-        let _ = driver.await;
-        db
-    });
+    let db = flashsale_tests::migrated_database();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("flashsale.toml");
     let toml = format!(
@@ -338,18 +328,8 @@ fn stream_consumer_and_meta_leaders_killed_mid_sale_every_queued_buyer_gets_one_
     let shared = shared_cluster();
     let mut cluster = shared.lock().unwrap_or_else(PoisonError::into_inner);
     cluster.wait_healthy(Duration::from_secs(30)).expect("healthy");
-    let rt = runtime();
     let redis = flashsale_tests::redis();
-    let db = rt.block_on(async {
-        let db = flashsale_tests::pg_database().await;
-        let (mut client, conn) =
-            tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
-        let driver = tokio::spawn(conn);
-        flashsale_pg_worker::migrate(&mut client).await.unwrap();
-        drop(client);
-        let _ = driver.await;
-        db
-    });
+    let db = flashsale_tests::migrated_database();
     let mut config = flashsale_tests::serve_config(redis.addr(), &cluster.url(), &db.url);
     config.edge.admission = flashsale_engine::logic::admission::Budgets::default();
     config.durable.log = replicated(&cluster.url(), 3);
