@@ -342,7 +342,7 @@ impl Connector {
         });
         let timelines = futures::future::join_all(probes).await;
         if let Some(max) = timelines.into_iter().flatten().max() {
-            self.state.timeline_max.fetch_max(max, Ordering::AcqRel);
+            self.learn_timeline(max);
             tracing::info!(timeline = max, "postgres: highest writable timeline learned by survey");
         }
     }
@@ -402,26 +402,34 @@ impl Connector {
         Ok((client, guard.defuse(), role))
     }
 
-    /// Remembers a new connection and, when it raised the highest timeline, closes the live
-    /// connections that are behind it.
+    /// Remembers a new connection; the live connections behind its timeline are closed.
     fn adopt(&self, task: &tokio::task::JoinHandle<()>, timeline: u32) {
-        let previous = self.state.timeline_max.fetch_max(timeline, Ordering::AcqRel);
-        let mut live = self.state.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        live.retain(|(_, handle)| !handle.is_finished());
-        if timeline > previous && previous != 0 {
-            tracing::warn!(
-                timeline,
-                previous,
-                "postgres: newer timeline; closing older connections"
-            );
-            for (_, handle) in live.iter().filter(|(t, _)| *t < timeline) {
-                handle.abort();
-            }
-            live.retain(|(t, _)| *t >= timeline);
-        }
+        self.learn_timeline(timeline);
         // Only writable connections carry a timeline worth fencing on.
         if timeline > 0 {
+            let mut live =
+                self.state.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             live.push((timeline, task.abort_handle()));
+        }
+    }
+
+    /// Raises the highest timeline seen to at least `timeline` and closes every live
+    /// connection behind the highest (whether a connect or a survey learned it).
+    fn learn_timeline(&self, timeline: u32) {
+        let max = self.state.timeline_max.fetch_max(timeline, Ordering::AcqRel).max(timeline);
+        let mut live = self.state.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        live.retain(|(_, handle)| !handle.is_finished());
+        let behind = live.iter().filter(|(t, _)| *t < max).count();
+        if behind > 0 {
+            tracing::warn!(
+                timeline = max,
+                behind,
+                "postgres: newer timeline; closing older connections"
+            );
+            for (_, handle) in live.iter().filter(|(t, _)| *t < max) {
+                handle.abort();
+            }
+            live.retain(|(t, _)| *t >= max);
         }
     }
 
