@@ -220,16 +220,22 @@ pub async fn pg_database() -> TestDb {
 /// own running).
 pub fn migrated_database() -> TestDb {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let db = runtime.block_on(pg_database());
+    migrate_database(&db);
+    db
+}
+
+/// Migrates `db` (blocking).
+pub fn migrate_database(db: &TestDb) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
-        let db = pg_database().await;
         let (mut client, conn) =
             tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
         let driver = tokio::spawn(conn);
         flashsale_pg_worker::migrate(&mut client).await.unwrap();
         drop(client);
         let _ = driver.await;
-        db
-    })
+    });
 }
 
 /// Runs `f` on a fresh glommio executor (unpinned, small io memory so several executors fit
@@ -415,16 +421,7 @@ impl Engine {
     pub fn start_on(db: TestDb, tune: impl FnOnce(&mut ServeConfig)) -> Engine {
         let redis = crate::redis();
         let nats = crate::nats();
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let db = runtime.block_on(async {
-            let (mut client, conn) =
-                tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
-            let driver = tokio::spawn(conn);
-            flashsale_pg_worker::migrate(&mut client).await.unwrap();
-            drop(client);
-            let _ = driver.await;
-            db
-        });
+        migrate_database(&db);
         let mut config = serve_config(redis.addr(), &nats.url(), &db.url);
         tune(&mut config);
         let handle = serve::start(config).expect("engine starts");
@@ -455,9 +452,7 @@ impl Engine {
 
     /// `POST /admin/v1/activities` with this body (optional fields set); asserts 201.
     pub fn create_activity_with(&self, body: &str) {
-        let mut admin = HttpClient::connect(self.admin());
-        let resp = admin.request("POST", "/admin/v1/activities", None, Some(body));
-        assert_eq!(resp.status, 201, "{}", resp.body);
+        crate::sale::create_activity_with(self.admin(), body);
     }
 
     pub fn submit(

@@ -26,6 +26,18 @@ pub fn pass(user: u64, activity: u64) -> String {
     PassKeys::parse(KEYS).unwrap().mint("k1", UserId(user), ActivityId(activity), exp).unwrap()
 }
 
+/// `POST /admin/v1/activities` on the admin plane at `admin` with this body; asserts 201.
+pub fn create_activity_with(admin: SocketAddr, body: &str) {
+    let resp = HttpClient::connect(admin).request("POST", "/admin/v1/activities", None, Some(body));
+    assert_eq!(resp.status, 201, "{}", resp.body);
+}
+
+/// A SKU of `stock` units (`POST /admin/v1/activities`); asserts 201.
+pub fn create_activity(admin: SocketAddr, (activity, sku): (u64, u64), stock: u64) {
+    let body = format!(r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock}}}"#);
+    create_activity_with(admin, &body);
+}
+
 /// `POST /v1/reservations` on `c`; None when the connection broke first.
 pub fn submit(
     c: &mut HttpClient,

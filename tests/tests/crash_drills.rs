@@ -267,12 +267,8 @@ fn one_of_two_instances_killed_mid_sale_behind_the_balancer_loses_no_queued_buye
     for round in 0..4 {
         let addr = if round % 2 == 0 { doomed.http } else { survivor.http };
         for intent in &mut alternating {
-            let body = format!(
-                r#"{{"activity_id":{ACTIVITY},"sku_id":{SKU},"request_id":"{}","quantity":1}}"#,
-                intent.request_id
-            );
-            let token = pass(intent.user, ACTIVITY);
-            intent.answers.push(http(addr, "POST", "/v1/reservations", Some(&token), Some(&body)));
+            let answer = submit_once(addr, ACTIVITY, SKU, intent);
+            intent.answers.push(answer);
         }
     }
     for intent in &alternating {

@@ -17,7 +17,7 @@ use flashsale_engine::app::config::{Config, Env, Overrides};
 use flashsale_engine::app::serve;
 use flashsale_io::log::async_nats::jetstream::stream;
 use flashsale_io::log::{Log, LogConfig, ORDERS_STREAM, REPLICATED_STREAMS};
-use flashsale_tests::sale::{assert_promise_kept, Buyers};
+use flashsale_tests::sale::{self, assert_promise_kept, Buyers};
 use flashsale_tests::{nats_cluster, PrivateNatsCluster};
 
 static SHARED: Mutex<Weak<Mutex<PrivateNatsCluster>>> = Mutex::new(Weak::new());
@@ -337,14 +337,7 @@ fn stream_consumer_and_meta_leaders_killed_mid_sale_every_queued_buyer_gets_one_
     worker.log = replicated(&cluster.url(), 3);
     config.worker = Some(worker);
     let handle = serve::start(config).expect("serve on the R3 cluster");
-    let body = format!(r#"{{"activity_id":{},"sku_id":{},"stock":20000}}"#, SKU.0, SKU.1);
-    let resp = flashsale_tests::HttpClient::connect(handle.admin_addr).request(
-        "POST",
-        "/admin/v1/activities",
-        None,
-        Some(&body),
-    );
-    assert_eq!(resp.status, 201, "{}", resp.body);
+    sale::create_activity(handle.admin_addr, SKU, 20_000);
 
     let buyers = Buyers::start(handle.http_addr, SKU, 4, Duration::from_millis(40), "leader");
     let mut kills = Vec::new();

@@ -269,14 +269,7 @@ fn primary_stopped_then_hung_mid_sale_every_queued_buyer_gets_one_order_on_the_n
     let (handle, _redis, _nats) = serve_on(&set, |c| {
         c.edge.admission = flashsale_engine::logic::admission::Budgets::default();
     });
-    let body = format!(r#"{{"activity_id":{},"sku_id":{},"stock":20000}}"#, SKU.0, SKU.1);
-    let resp = HttpClient::connect(handle.admin_addr).request(
-        "POST",
-        "/admin/v1/activities",
-        None,
-        Some(&body),
-    );
-    assert_eq!(resp.status, 201, "{}", resp.body);
+    sale::create_activity(handle.admin_addr, SKU, 20_000);
     let buyers = Buyers::start(handle.http_addr, SKU, 4, Duration::from_millis(40), "pgha");
     std::thread::sleep(Duration::from_secs(3));
     let stopped_at = Instant::now();

@@ -14,7 +14,7 @@
 use std::rc::Rc;
 use std::sync::Arc;
 
-use flashsale_io::redis::script::{ScriptError, SkuKeys};
+use flashsale_io::redis::script::{RequestState, ScriptError, SkuKeys};
 
 use super::Shard;
 use crate::logic::partition::{Accepted, AcceptedState};
@@ -108,11 +108,7 @@ fn accepted(request_id: &str, r: flashsale_io::redis::layout::ReplayRecord) -> A
         reservation_id: Arc::from(r.reservation_id.as_str()),
         message_id: Arc::from(r.message_id.as_str()),
         payload_hash: Arc::from(r.payload_hash.as_str()),
-        // As `reserve`'s IDEMPOTENT is read (`shard/submit.rs`): QUEUED_PENDING stays, any
-        // later state means the first answer was QUEUED.
-        state: match r.state.as_str() {
-            "QUEUED_PENDING" => AcceptedState::QueuedPending,
-            _ => AcceptedState::Queued,
-        },
+        state: RequestState::parse(&r.state)
+            .map_or(AcceptedState::Queued, super::submit::first_answer),
     }
 }

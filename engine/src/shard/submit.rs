@@ -264,17 +264,23 @@ fn outside(shard: &Shard, key: SkuKey, now: u64) -> Outside {
 }
 
 /// The script binding's answer as the decision needs it.
+/// The first answer a request got, from its state in Redis now: `QUEUED_PENDING` stays, any
+/// later state means the first answer was `QUEUED` (replays of `IDEMPOTENT`, and the replay
+/// map loaded after sell-out, `replays.rs`).
+pub(super) fn first_answer(state: RequestState) -> AcceptedState {
+    match state {
+        RequestState::QueuedPending => AcceptedState::QueuedPending,
+        _ => AcceptedState::Queued,
+    }
+}
+
 fn reserve_result(reply: Result<ReserveReply, ScriptError>) -> ReserveResult {
     match reply {
         Ok(ReserveReply::Created { stock_after, expires_at_ms }) => {
             ReserveResult::Created { stock_after, expires_at_ms }
         }
         Ok(ReserveReply::Idempotent { reservation_id, message_id, state, .. }) => {
-            let first = match state {
-                RequestState::QueuedPending => AcceptedState::QueuedPending,
-                // Queued, and later outcomes: the first answer was QUEUED.
-                _ => AcceptedState::Queued,
-            };
+            let first = first_answer(state);
             ReserveResult::Idempotent { reservation_id, message_id, first }
         }
         Ok(ReserveReply::SoldOut) => ReserveResult::SoldOut,

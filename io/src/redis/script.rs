@@ -310,7 +310,7 @@ impl RequestState {
         }
     }
 
-    fn parse(s: &str) -> Option<RequestState> {
+    pub fn parse(s: &str) -> Option<RequestState> {
         Some(match s {
             "QUEUED_PENDING" => RequestState::QueuedPending,
             "QUEUED" => RequestState::Queued,

@@ -24,13 +24,11 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use flashsale_engine::app::serve;
-use flashsale_engine::logic::auth::PassKeys;
-use flashsale_engine::logic::ids::{ActivityId, UserId};
 use flashsale_io::log::LogConfig;
-use flashsale_tests::{PrivateNats, PrivateRedis, TestDb, KEYS};
+use flashsale_tests::{PrivateNats, PrivateRedis, TestDb};
 use serde_json::Value;
 
 pub const CHILD_TEST: &str = "drill_child";
@@ -343,9 +341,21 @@ pub fn http(
     }
 }
 
-pub fn pass(user: u64, activity: u64) -> String {
-    let exp = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() + 3600;
-    PassKeys::parse(KEYS).unwrap().mint("k1", UserId(user), ActivityId(activity), exp).unwrap()
+pub use flashsale_tests::sale::pass;
+
+/// One submit of `intent` (its request id, quantity 1) on a fresh connection; `None` when no
+/// answer came.
+pub fn submit_once(
+    addr: SocketAddr,
+    activity: u64,
+    sku: u64,
+    intent: &Intent,
+) -> Option<(u16, Value)> {
+    let body = format!(
+        r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{}","quantity":1}}"#,
+        intent.request_id
+    );
+    http(addr, "POST", "/v1/reservations", Some(&pass(intent.user, activity)), Some(&body))
 }
 
 pub fn state(v: &Value) -> &str {
@@ -413,13 +423,7 @@ pub fn submit_all(
             std::thread::spawn(move || loop {
                 let Some((i, mut intent)) = queue.lock().unwrap().pop() else { return };
                 if !intent.settled() {
-                    let body = format!(
-                        r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{}","quantity":1}}"#,
-                        intent.request_id
-                    );
-                    let token = pass(intent.user, activity);
-                    let answer =
-                        http(addr, "POST", "/v1/reservations", Some(&token), Some(&body));
+                    let answer = submit_once(addr, activity, sku, &intent);
                     intent.answers.push(answer);
                 }
                 done.lock().unwrap().push((i, intent));
