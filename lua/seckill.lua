@@ -25,6 +25,8 @@
 
 local ID_LEN_MAX = 128
 local CLAIM_BATCH_MAX = 512
+-- Reservations one mark_sent call marks (io/src/redis/script.rs MARK_SENT_MAX).
+local MARK_SENT_MAX = 256
 -- 2^52 * any positive base exceeds every representable backoff_max_ms (< 10^15), so capping the
 -- exponent here only avoids computing infinities, it never changes a result.
 local BACKOFF_EXPONENT_MAX = 52
@@ -174,48 +176,65 @@ local function reserve(keys, args)
 end
 
 -- ---------------------------------------------------------------------------------------------
--- mark_sent: the order-create message of a reservation was acknowledged by the log.
+-- mark_sent: the order-create messages of reservations of one SKU were acknowledged by the
+-- log (a batch: the shard collects the acks that arrive together and marks them in one call).
 --
--- KEYS: 1 resv:<reservation_id>, 2 resv:pending, 3 req:<user_id>:<request_id>
--- ARGV: 1 reservation_id, 2 now_ms, 3 order_deadline_ms
--- Reply: bulk string
+-- KEYS: 1 resv:pending, then per reservation i (1..n): resv:<reservation_id_i>,
+--       req:<user_id_i>:<request_id_i>
+-- ARGV: 1 now_ms, 2 order_deadline_ms, then per reservation i: reservation_id_i
+-- n is 1..MARK_SENT_MAX; every key of the SKU of KEYS[1].
+-- Reply: array of n bulk strings, one per reservation in order:
 --   OK           status PENDING_MESSAGE -> MESSAGE_SENT; req.state QUEUED_PENDING -> QUEUED
 --                (only if req belongs to this reservation);
 --                the pending entry (if still a member) re-scored to now + order_deadline_ms,
 --                and resv.next_retry_at set to the same value
 --   NOT_FOUND    no such reservation (nothing changed)
 --   NOT_PENDING  already MESSAGE_SENT or final (nothing changed)
+-- Every argument is checked before anything is written: a bad batch changes nothing.
 -- Invariants: the reservation stays in resv:pending (it leaves only when its final outcome
 -- arrives, apply_result / compensate), so a message lost after the ack is still republished;
 -- a final state is never overwritten; a pending entry removed meanwhile is not re-added.
--- Complexity: O(1) (O(log n) in the ZSET).
+-- Complexity: O(n) (O(n log m) in the ZSET).
 -- ---------------------------------------------------------------------------------------------
-local function mark_sent(keys, args)
-  if #keys ~= 3 or #args ~= 3 then return bad('arity') end
-  local reservation_id, now_ms, deadline_ms = args[1], uint(args[2]), uint(args[3])
-  if not id_ok(reservation_id) then return bad('reservation_id') end
-  if not now_ms then return bad('now_ms') end
-  if not deadline_ms then return bad('order_deadline_ms') end
-  local p = prefix_of(keys[2], 'resv:pending')
-  if not p or keys[1] ~= p .. 'resv:' .. reservation_id
-      or not starts_with(keys[3], p .. 'req:') then
-    return bad('keys')
-  end
-
-  local status = redis.call('HGET', keys[1], 'status')
+local function mark_one(pending, resv, req, reservation_id, next_retry_at)
+  local status = redis.call('HGET', resv, 'status')
   if not status then return 'NOT_FOUND' end
   if status ~= 'PENDING_MESSAGE' then return 'NOT_PENDING' end
-  redis.call('HSET', keys[1], 'status', 'MESSAGE_SENT')
-  if redis.call('ZSCORE', keys[2], reservation_id) then
-    local next_retry_at = fmt(now_ms + deadline_ms)
-    redis.call('ZADD', keys[2], 'XX', next_retry_at, reservation_id)
-    redis.call('HSET', keys[1], 'next_retry_at', next_retry_at)
+  redis.call('HSET', resv, 'status', 'MESSAGE_SENT')
+  if redis.call('ZSCORE', pending, reservation_id) then
+    redis.call('ZADD', pending, 'XX', next_retry_at, reservation_id)
+    redis.call('HSET', resv, 'next_retry_at', next_retry_at)
   end
-  local req = redis.call('HMGET', keys[3], 'reservation_id', 'state')
-  if req[1] == reservation_id and req[2] == 'QUEUED_PENDING' then
-    redis.call('HSET', keys[3], 'state', 'QUEUED')
+  local state = redis.call('HMGET', req, 'reservation_id', 'state')
+  if state[1] == reservation_id and state[2] == 'QUEUED_PENDING' then
+    redis.call('HSET', req, 'state', 'QUEUED')
   end
   return 'OK'
+end
+
+local function mark_sent(keys, args)
+  local n = #args - 2
+  if n < 1 or n > MARK_SENT_MAX or #keys ~= 1 + 2 * n then return bad('arity') end
+  local now_ms, deadline_ms = uint(args[1]), uint(args[2])
+  if not now_ms then return bad('now_ms') end
+  if not deadline_ms then return bad('order_deadline_ms') end
+  local p = prefix_of(keys[1], 'resv:pending')
+  if not p then return bad('keys') end
+  for i = 1, n do
+    local reservation_id = args[2 + i]
+    if not id_ok(reservation_id) then return bad('reservation_id') end
+    if keys[2 * i] ~= p .. 'resv:' .. reservation_id
+        or not starts_with(keys[2 * i + 1], p .. 'req:') then
+      return bad('keys')
+    end
+  end
+
+  local next_retry_at = fmt(now_ms + deadline_ms)
+  local replies = {}
+  for i = 1, n do
+    replies[i] = mark_one(keys[1], keys[2 * i], keys[2 * i + 1], args[2 + i], next_retry_at)
+  end
+  return replies
 end
 
 -- ---------------------------------------------------------------------------------------------

@@ -56,6 +56,11 @@ impl BenchRedis {
         self.addr
     }
 
+    /// The server's process id (its CPU is read from /proc by the benches that price a call).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

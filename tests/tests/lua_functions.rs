@@ -15,9 +15,9 @@ use std::collections::HashMap;
 use flashsale_io::redis::layout::ActivityStatus;
 use flashsale_io::redis::script::{
     load_library, ActivityInvalidReason, ApplyResultArgs, ApplyResultReply, ClaimDueArgs,
-    ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions, MarkSentArgs,
-    MarkSentReply, PendingStatus, PreheatArgs, PreheatReply, RequestState, ReserveArgs,
-    ReserveReply, ScriptError, SkuKeys, TopUpArgs, TopUpReply,
+    ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions, MarkSent,
+    MarkSentArgs, MarkSentReply, PendingStatus, PreheatArgs, PreheatReply, RequestState,
+    ReserveArgs, ReserveReply, ScriptError, SkuKeys, TopUpArgs, TopUpReply, MARK_SENT_MAX,
 };
 use flashsale_io::redis::{RedisClient, RedisConfig};
 use flashsale_io::resp::Reply;
@@ -160,14 +160,29 @@ async fn reserve_n(f: &Functions, n: u64) -> ReserveReply {
 }
 
 async fn mark_sent(f: &Functions, n: u64, now_ms: u64, order_deadline_ms: u64) -> MarkSentReply {
-    let ids = ids(n);
-    let args = MarkSentArgs {
-        reservation_id: &ids.reservation_id,
-        request_id: &ids.request_id,
-        user_id: 30000 + n,
-        now_ms,
-        order_deadline_ms,
-    };
+    let replies = mark_sent_batch(f, &[n], now_ms, order_deadline_ms).await;
+    assert_eq!(replies.len(), 1, "one reply per reservation");
+    replies[0]
+}
+
+/// One `mark_sent` call for the reservations of requests `ns` (users 30000 + n).
+async fn mark_sent_batch(
+    f: &Functions,
+    ns: &[u64],
+    now_ms: u64,
+    order_deadline_ms: u64,
+) -> Vec<MarkSentReply> {
+    let ids: Vec<Ids> = ns.iter().map(|&n| ids(n)).collect();
+    let marks: Vec<MarkSent<'_>> = ids
+        .iter()
+        .zip(ns)
+        .map(|(ids, &n)| MarkSent {
+            reservation_id: &ids.reservation_id,
+            request_id: &ids.request_id,
+            user_id: 30000 + n,
+        })
+        .collect();
+    let args = MarkSentArgs { marks: &marks, now_ms, order_deadline_ms };
     f.mark_sent(&keys(), &args).await.expect("mark_sent")
 }
 
@@ -609,6 +624,83 @@ fn mark_sent_every_reply() {
         cmd(&f, &["HSET", &key("req:30004:req_4"), "reservation_id", "resv_other"]).await;
         assert_eq!(mark_sent(&f, 4, T0 + 40, 60_000).await, MarkSentReply::Ok);
         assert_eq!(hgetall(&f, &key("req:30004:req_4")).await["state"], "QUEUED_PENDING");
+    });
+}
+
+/// One call marks a batch: each reservation gets the answer a call of its own would give, in
+/// order; a batch with one bad member changes nothing at all.
+#[test]
+fn mark_sent_marks_a_batch_each_as_alone_and_a_bad_batch_not_at_all() {
+    with_redis(|f| async move {
+        use MarkSentReply::{NotFound, NotPending, Ok as Marked};
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        for n in 2..=5 {
+            reserve_n(&f, n).await;
+        }
+        assert_eq!(mark_sent(&f, 3, T0 + 15, 60_000).await, Marked);
+        apply(&f, 5, FinalOutcome::Failed { reason_code: "EXPIRED" }, T0 + 16).await;
+
+        // 1 was never reserved, 3 is already sent, 5 is final.
+        let replies = mark_sent_batch(&f, &[1, 2, 3, 4, 5], T0 + 20, 60_000).await;
+        assert_eq!(replies, vec![NotFound, Marked, NotPending, Marked, NotPending]);
+        for n in [2, 4] {
+            assert_eq!(
+                hgetall(&f, &key(&format!("resv:resv_{n}"))).await["status"],
+                "MESSAGE_SENT"
+            );
+            assert_eq!(hgetall(&f, &key(&format!("req:3000{n}:req_{n}"))).await["state"], "QUEUED");
+            assert_eq!(
+                zscore(&f, &key("resv:pending"), &format!("resv_{n}")).await,
+                Some(T0 + 60_020)
+            );
+        }
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_3").await, Some(T0 + 60_015), "kept");
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_5").await, None, "not re-added");
+
+        // A batch whose second member names a stranger's key: refused before any write, so
+        // the first member is not marked either.
+        reserve_n(&f, 6).await;
+        let (pending, resv6, req6) =
+            (key("resv:pending"), key("resv:resv_6"), key("req:30006:req_6"));
+        let stranger = "seckill:{9:9}:resv:resv_7";
+        let e = fcall_raw(
+            &f,
+            "mark_sent",
+            &[&pending, &resv6, &req6, stranger, &req6],
+            &[&(T0 + 30).to_string(), "60000", "resv_6", "resv_7"],
+        )
+        .await;
+        assert_eq!(e, "ERR seckill: bad keys");
+        assert_eq!(hgetall(&f, &resv6).await["status"], "PENDING_MESSAGE");
+        // Arity: one id per key pair, and at least one reservation.
+        let e = fcall_raw(&f, "mark_sent", &[&pending, &resv6, &req6], &["1", "1"]).await;
+        assert_eq!(e, "ERR seckill: bad arity");
+        let e = fcall_raw(&f, "mark_sent", &[&pending], &["1", "1"]).await;
+        assert_eq!(e, "ERR seckill: bad arity");
+        let e = fcall_raw(&f, "mark_sent", &[&pending, &resv6], &["1", "1", "resv_6"]).await;
+        assert_eq!(e, "ERR seckill: bad arity");
+        assert_eq!(hgetall(&f, &resv6).await["status"], "PENDING_MESSAGE");
+
+        // The binding refuses an empty batch and one above MARK_SENT_MAX before sending.
+        let none = MarkSentArgs { marks: &[], now_ms: T0, order_deadline_ms: 1 };
+        assert!(matches!(
+            f.mark_sent(&keys(), &none).await,
+            Err(ScriptError::InvalidArgument("marks"))
+        ));
+        let one = MarkSent { reservation_id: "resv_6", request_id: "req_6", user_id: 30006 };
+        let many = vec![one; MARK_SENT_MAX + 1];
+        let over = MarkSentArgs { marks: &many, now_ms: T0, order_deadline_ms: 1 };
+        assert!(matches!(
+            f.mark_sent(&keys(), &over).await,
+            Err(ScriptError::InvalidArgument("marks"))
+        ));
+        // MARK_SENT_MAX itself is accepted by the function (the same reservation each time:
+        // the first marks it, the others find it sent).
+        let full =
+            MarkSentArgs { marks: &many[..MARK_SENT_MAX], now_ms: T0 + 40, order_deadline_ms: 1 };
+        let replies = f.mark_sent(&keys(), &full).await.expect("a full batch");
+        assert_eq!(replies[0], Marked);
+        assert!(replies[1..].iter().all(|r| *r == NotPending) && replies.len() == MARK_SENT_MAX);
     });
 }
 

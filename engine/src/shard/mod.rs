@@ -195,6 +195,8 @@ pub struct Shard {
     pub publish_circuit: RefCell<crate::logic::circuit::Circuit>,
     /// This shard's copy of the mode table.
     pub modes: RefCell<crate::durable::control::ShardModes>,
+    /// Acknowledged reservations whose `mark_sent` is still to be made (`publish.rs`).
+    pub marks: publish::Marks,
 }
 
 impl Shard {
@@ -372,6 +374,46 @@ pub struct ShardStart {
     pub notice_rx: Option<tokio::sync::mpsc::Receiver<SkuKey>>,
 }
 
+impl Shard {
+    /// A shard's state before its tasks start.
+    fn new(
+        id: usize,
+        shared: &Arc<EdgeShared>,
+        functions: Functions,
+        mesh: Senders<MeshMsg>,
+        id_seed: [u8; 32],
+    ) -> Shard {
+        Shard {
+            id,
+            shared: Arc::clone(shared),
+            functions,
+            mesh,
+            owner: RefCell::new(OwnerState::new(owner_limits(&shared.config), id_seed)),
+            replicas: RefCell::new(HashMap::new()),
+            keys: RefCell::new(HashMap::new()),
+            request_seq: Cell::new(0),
+            user_limiter: RefCell::new(Limiter::new(
+                shared.config.user_rate,
+                shared.config.limiter_slots,
+            )),
+            ip_limiter: RefCell::new(Limiter::new(
+                shared.config.ip_rate,
+                shared.config.limiter_slots,
+            )),
+            read_limiter: RefCell::new(Limiter::new(
+                shared.config.read_user_rate,
+                shared.config.limiter_slots,
+            )),
+            bad_signature_log: Cell::new(crate::logic::limiter::Throttle::new(1_000)),
+            publish_circuit: RefCell::new(crate::logic::circuit::Circuit::new(
+                shared.config.publish_circuit,
+            )),
+            modes: RefCell::new(crate::durable::control::ShardModes::new(&shared.modes)),
+            marks: publish::Marks::default(),
+        }
+    }
+}
+
 /// The body of each shard's executor: connect, bind, serve until stopped.
 pub async fn run(start: ShardStart) {
     let ShardStart { id, shared, mesh, http_addr, admin_addr, id_seed, sync_rx, notice_rx } = start;
@@ -383,30 +425,7 @@ pub async fn run(start: ShardStart) {
         shared.stopping.store(true, Ordering::Relaxed);
         return;
     };
-    let shard = Rc::new(Shard {
-        id,
-        shared: Arc::clone(&shared),
-        functions,
-        mesh: senders,
-        owner: RefCell::new(OwnerState::new(owner_limits(&shared.config), id_seed)),
-        replicas: RefCell::new(HashMap::new()),
-        keys: RefCell::new(HashMap::new()),
-        request_seq: Cell::new(0),
-        user_limiter: RefCell::new(Limiter::new(
-            shared.config.user_rate,
-            shared.config.limiter_slots,
-        )),
-        ip_limiter: RefCell::new(Limiter::new(shared.config.ip_rate, shared.config.limiter_slots)),
-        read_limiter: RefCell::new(Limiter::new(
-            shared.config.read_user_rate,
-            shared.config.limiter_slots,
-        )),
-        bad_signature_log: Cell::new(crate::logic::limiter::Throttle::new(1_000)),
-        publish_circuit: RefCell::new(crate::logic::circuit::Circuit::new(
-            shared.config.publish_circuit,
-        )),
-        modes: RefCell::new(crate::durable::control::ShardModes::new(&shared.modes)),
-    });
+    let shard = Rc::new(Shard::new(id, &shared, functions, senders, id_seed));
     spawn_mesh_receivers(&shard, receivers);
     if let Some(rx) = sync_rx {
         sync::spawn_receiver(&shard, rx);
@@ -509,12 +528,13 @@ where
 const STOP_WAIT_MS: u64 = 5_000;
 
 /// Graceful stop: the listeners are closed; answer every request already being worked on (a
-/// connection counts its requests until their answers are written) —
+/// connection counts its requests until their answers are written) and the marks of acks
+/// already answered —
 /// on every shard, since this shard may own SKUs whose submits others still forward — before
 /// the executor (and every task on it) ends. Idle keep-alive connections are simply closed.
 async fn finish_in_flight(shard: &Shard) {
     let deadline = std::time::Instant::now() + Duration::from_millis(STOP_WAIT_MS);
-    while shard.shared.metrics.requests_in_flight() > 0 {
+    while shard.shared.metrics.requests_in_flight() > 0 || !shard.marks.is_idle() {
         if std::time::Instant::now() > deadline {
             tracing::warn!(
                 shard = shard.id,

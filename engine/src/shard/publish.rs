@@ -10,9 +10,12 @@
 //!    is a success recorded when it arrives, and only a refusal or the log's own publish
 //!    timeout (`log.publish_timeout_ms`) is a failure. So slow acks never close submissions
 //!    while NATS answers, and a log that stops answering still opens the circuit;
-//! 3. on the log's ack, best effort, `mark_sent` (status `MESSAGE_SENT`, the pending entry
-//!    re-scored to the order deadline), retried within the idempotent-retry policy. A failed
-//!    mark only means a later republish, deduplicated by message id.
+//! 3. on the log's ack the answer goes out (`QUEUED`) and, best effort and off the buyer's
+//!    answer, the reservation is queued for `mark_sent` (status `MESSAGE_SENT`, the pending
+//!    entry re-scored to the order deadline). [`Marks`] sends the acks that arrive together
+//!    as one call per SKU, and while a call is out the next batch gathers; each call is
+//!    retried within the idempotent-retry policy. A mark that fails or is never made (the
+//!    shard stopped) only means a later republish, deduplicated by message id.
 //!
 //! The `Nats-Msg-Id` is the message id itself, except for a message the log already
 //! acknowledged whose outcome is overdue ([`MsgIdentity::Attempt`]): JetStream's duplicate
@@ -20,12 +23,13 @@
 //! `<message_id>-r<attempt>`; the body keeps every business id and the PostgreSQL inbox,
 //! keyed by the body's message id, turns a copy into a duplicate that re-emits the outcome.
 
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use flashsale_io::log::{LogError, PublishAck};
-use flashsale_io::redis::script::{MarkSentArgs, SkuKeys};
+use flashsale_io::redis::script::{MarkSent, MarkSentArgs, SkuKeys, MARK_SENT_MAX};
 use flashsale_io::wire::OrderCreate;
 use futures::channel::oneshot;
 
@@ -105,14 +109,14 @@ pub async fn publish_order(
     }
     #[cfg(feature = "failpoints")]
     fail::fail_point!("after_publish_ack");
-    acked(shard, keys, &mark).await;
+    acked(shard, keys, mark);
     Published::Acked
 }
 
 /// The log's answer to a publish the shard stopped waiting for.
 async fn late_ack(
-    shard: &Shard,
-    keys: &SkuKeys,
+    shard: &Rc<Shard>,
+    keys: &Rc<SkuKeys>,
     reply: Reply,
     call: crate::logic::circuit::Call,
     mark: MarkRequest,
@@ -122,7 +126,7 @@ async fn late_ack(
         Ok(Ok(Ok(_ack))) => {
             shard.metrics().publish_late_ok.fetch_add(1, Ordering::Relaxed);
             record(shard, call, CallOutcome::Success);
-            acked(shard, keys, &mark).await;
+            acked(shard, keys, mark);
         }
         _ => record(shard, call, CallOutcome::Failure),
     }
@@ -143,24 +147,73 @@ struct MarkRequest {
     origin: Origin,
 }
 
-/// The log has the message: count a republish, mark the reservation sent.
-async fn acked(shard: &Shard, keys: &SkuKeys, mark: &MarkRequest) {
+/// The log has the message: count a republish, queue the reservation's mark.
+fn acked(shard: &Rc<Shard>, keys: &Rc<SkuKeys>, mark: MarkRequest) {
     if mark.origin == Origin::Scanner {
         shard.metrics().republished.fetch_add(1, Ordering::Relaxed);
     }
-    mark_sent(shard, keys, mark).await;
-}
-
-/// Best effort: the message is durable either way. A message acknowledged before is already
-/// `MESSAGE_SENT` (a mark would answer `NOT_PENDING`).
-async fn mark_sent(shard: &Shard, keys: &SkuKeys, mark: &MarkRequest) {
+    // A message acknowledged before is already `MESSAGE_SENT` (a mark would answer
+    // `NOT_PENDING`).
     if mark.identity == MsgIdentity::Attempt {
         return;
     }
+    shard.marks.queue.borrow_mut().push((Rc::clone(keys), mark));
+    if !shard.marks.flushing.replace(true) {
+        let shard = Rc::clone(shard);
+        glommio::spawn_local(async move { flush_marks(&shard).await }).detach();
+    }
+}
+
+/// The acks of one shard whose `mark_sent` is still to be made (step 3 of the module
+/// documentation), and whether a task is sending them.
+#[derive(Default)]
+pub struct Marks {
+    queue: RefCell<Vec<(Rc<SkuKeys>, MarkRequest)>>,
+    flushing: Cell<bool>,
+}
+
+impl Marks {
+    /// No mark waiting or being sent.
+    pub fn is_idle(&self) -> bool {
+        !self.flushing.get()
+    }
+}
+
+/// Sends the queued marks, one call per SKU (at most [`MARK_SENT_MAX`] each), until none is
+/// left. Marks queued while a call is out wait for the next round.
+async fn flush_marks(shard: &Shard) {
+    loop {
+        // The other acks of this poll of the shard join the batch first.
+        futures_lite::future::yield_now().await;
+        let mut batch = std::mem::take(&mut *shard.marks.queue.borrow_mut());
+        if batch.is_empty() {
+            break;
+        }
+        while let Some((keys, _)) = batch.first() {
+            let keys = Rc::clone(keys);
+            let (sku, rest): (Vec<_>, Vec<_>) =
+                batch.into_iter().partition(|(k, _)| Rc::ptr_eq(k, &keys));
+            batch = rest;
+            for chunk in sku.chunks(MARK_SENT_MAX) {
+                mark_sent(shard, &keys, chunk).await;
+            }
+        }
+    }
+    shard.marks.flushing.set(false);
+}
+
+/// Best effort: the messages are durable either way.
+async fn mark_sent(shard: &Shard, keys: &SkuKeys, chunk: &[(Rc<SkuKeys>, MarkRequest)]) {
+    let marks: Vec<MarkSent<'_>> = chunk
+        .iter()
+        .map(|(_, mark)| MarkSent {
+            reservation_id: &mark.reservation_id,
+            request_id: &mark.request_id,
+            user_id: mark.user_id,
+        })
+        .collect();
     let args = MarkSentArgs {
-        reservation_id: &mark.reservation_id,
-        request_id: &mark.request_id,
-        user_id: mark.user_id,
+        marks: &marks,
         now_ms: now_ms(),
         order_deadline_ms: shard.config().order_deadline_ms,
     };

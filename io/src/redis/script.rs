@@ -380,13 +380,23 @@ pub enum ReserveReply {
     SoldOut,
 }
 
+/// Reservations one `mark_sent` call marks at most (`MARK_SENT_MAX` in seckill.lua).
+pub const MARK_SENT_MAX: usize = 256;
+
+/// One reservation of a `mark_sent` batch: its message was acknowledged by the log.
 #[derive(Debug, Clone, Copy)]
-pub struct MarkSentArgs<'a> {
+pub struct MarkSent<'a> {
     pub reservation_id: &'a str,
     pub request_id: &'a str,
     pub user_id: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct MarkSentArgs<'a> {
+    /// 1..=[`MARK_SENT_MAX`] reservations of the SKU.
+    pub marks: &'a [MarkSent<'a>],
     pub now_ms: u64,
-    /// The pending entry is re-scored to `now_ms + order_deadline_ms`: if no final outcome
+    /// The pending entries are re-scored to `now_ms + order_deadline_ms`: if no final outcome
     /// arrived by then, the scanner republishes.
     pub order_deadline_ms: u64,
 }
@@ -710,25 +720,32 @@ impl Functions {
         fenced(parse_reserve(reply, args)?, fence)
     }
 
+    /// Marks a batch of one SKU's reservations sent; one reply per reservation, in order.
     pub async fn mark_sent(
         &self,
         keys: &SkuKeys,
         args: &MarkSentArgs<'_>,
-    ) -> Result<MarkSentReply, ScriptError> {
-        let resv = keys.resv(args.reservation_id)?;
-        let req = keys.req(args.user_id, args.request_id)?;
+    ) -> Result<Vec<MarkSentReply>, ScriptError> {
+        let n = args.marks.len();
+        if n == 0 || n > MARK_SENT_MAX {
+            return Err(ScriptError::InvalidArgument("marks"));
+        }
+        let mut owned = Vec::with_capacity(2 * n);
+        for mark in args.marks {
+            owned.push(keys.resv(mark.reservation_id)?);
+            owned.push(keys.req(mark.user_id, mark.request_id)?);
+        }
+        let mut key_refs: Vec<&[u8]> = Vec::with_capacity(1 + 2 * n);
+        key_refs.push(keys.pending.as_bytes());
+        key_refs.extend(owned.iter().map(|k| k.as_bytes()));
         let now_ms = U64Text::new(args.now_ms);
         let deadline_ms = U64Text::new(args.order_deadline_ms);
-        let (reply, _plain) = self
-            .fcall(
-                keys.slot(),
-                Lane::Plain,
-                "mark_sent",
-                &[resv.as_bytes(), keys.pending.as_bytes(), req.as_bytes()],
-                &[args.reservation_id.as_bytes(), now_ms.as_bytes(), deadline_ms.as_bytes()],
-            )
-            .await?;
-        parse_mark_sent(reply)
+        let mut arg_refs: Vec<&[u8]> = Vec::with_capacity(2 + n);
+        arg_refs.extend([now_ms.as_bytes(), deadline_ms.as_bytes()]);
+        arg_refs.extend(args.marks.iter().map(|m| m.reservation_id.as_bytes()));
+        let (reply, _plain) =
+            self.fcall(keys.slot(), Lane::Plain, "mark_sent", &key_refs, &arg_refs).await?;
+        parse_mark_sent(reply, n)
     }
 
     pub async fn claim_due(
@@ -1024,13 +1041,18 @@ pub fn parse_reserve(reply: Reply, sent: &ReserveArgs<'_>) -> Result<ReserveRepl
     }
 }
 
-pub fn parse_mark_sent(reply: Reply) -> Result<MarkSentReply, ScriptError> {
-    match text(&reply) {
-        Some("OK") => Ok(MarkSentReply::Ok),
-        Some("NOT_FOUND") => Ok(MarkSentReply::NotFound),
-        Some("NOT_PENDING") => Ok(MarkSentReply::NotPending),
-        _ => Err(unexpected("mark_sent", "code", &reply)),
-    }
+/// Parses `mark_sent`'s reply: one code per reservation of the batch of `n`.
+pub fn parse_mark_sent(reply: Reply, n: usize) -> Result<Vec<MarkSentReply>, ScriptError> {
+    const F: &str = "mark_sent";
+    array(F, &reply, n)?
+        .iter()
+        .map(|code| match text(code) {
+            Some("OK") => Ok(MarkSentReply::Ok),
+            Some("NOT_FOUND") => Ok(MarkSentReply::NotFound),
+            Some("NOT_PENDING") => Ok(MarkSentReply::NotPending),
+            _ => Err(unexpected(F, "code", code)),
+        })
+        .collect()
 }
 
 /// Fields per claimed entry in a `claim_due` reply.
@@ -1306,16 +1328,16 @@ mod tests {
 
     #[test]
     fn mark_sent_replies() {
-        assert_eq!(parse_mark_sent(bulk("OK")).unwrap(), MarkSentReply::Ok);
-        assert_eq!(
-            parse_mark_sent(Reply::Simple(Bytes::from_static(b"OK"))).unwrap(),
-            MarkSentReply::Ok
-        );
-        assert_eq!(parse_mark_sent(bulk("NOT_FOUND")).unwrap(), MarkSentReply::NotFound);
-        assert_eq!(parse_mark_sent(bulk("NOT_PENDING")).unwrap(), MarkSentReply::NotPending);
-        expect_unexpected(parse_mark_sent(bulk("ok")));
-        expect_unexpected(parse_mark_sent(Reply::Integer(1)));
-        expect_unexpected(parse_mark_sent(arr(vec![bulk("OK")])));
+        use MarkSentReply::{NotFound, NotPending, Ok as Marked};
+        let codes = arr(vec![bulk("OK"), bulk("NOT_FOUND"), bulk("NOT_PENDING")]);
+        assert_eq!(parse_mark_sent(codes, 3).unwrap(), vec![Marked, NotFound, NotPending]);
+        let simple = arr(vec![Reply::Simple(Bytes::from_static(b"OK"))]);
+        assert_eq!(parse_mark_sent(simple, 1).unwrap(), vec![Marked]);
+        expect_unexpected(parse_mark_sent(arr(vec![bulk("ok")]), 1));
+        expect_unexpected(parse_mark_sent(arr(vec![Reply::Integer(1)]), 1));
+        // One code per reservation sent, never more or fewer; never a bare code.
+        expect_unexpected(parse_mark_sent(arr(vec![bulk("OK")]), 2));
+        expect_unexpected(parse_mark_sent(bulk("OK"), 1));
     }
 
     fn entry_fields(id: &str, attempts: &str, status: &str) -> Vec<Reply> {
