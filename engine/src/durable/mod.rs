@@ -37,7 +37,8 @@ pub struct DurableConfig {
     /// Requests queued from all shards at once; full → the shard answers at once
     /// (`QUEUED_PENDING` for a publish, `UNKNOWN` for a query).
     pub queue_max: usize,
-    /// Requests being worked on at once (publishes awaiting acks, queries).
+    /// Requests being worked on at once (a shard's batch of publishes awaiting acks counts
+    /// once, a query once).
     pub in_flight_max: usize,
     /// Bound on one PostgreSQL call of the edge.
     pub pg_timeout_ms: u64,
@@ -47,12 +48,12 @@ pub struct DurableConfig {
 
 /// What the shards can ask for, each answered through its own oneshot.
 pub enum DurableRequest {
-    /// An order-create message for the log; `msg_id` overrides the `Nats-Msg-Id` (a
-    /// republish of a message acknowledged before, `shard/publish.rs`).
+    /// Order-create messages for the log, published at once and answered together, one
+    /// ack or error per message in order (a shard's poll, `shard/publish.rs`); a message's
+    /// `msg_id` overrides its `Nats-Msg-Id` (a republish of a message acknowledged before).
     Publish {
-        message: Box<OrderCreate>,
-        msg_id: Option<String>,
-        reply: oneshot::Sender<Result<PublishAck, LogError>>,
+        messages: Vec<(OrderCreate, Option<String>)>,
+        reply: oneshot::Sender<Vec<Result<PublishAck, LogError>>>,
     },
     /// Puts a signed mode snapshot of `version` into the replicated mode bucket by
     /// compare-and-set on the entry's revision ([`control::put_mode`]).
@@ -400,11 +401,14 @@ async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
             let put = tokio::time::timeout(timeout, put).await;
             let _ = reply.send(put.unwrap_or(Err(DurableError::Timeout)));
         }
-        DurableRequest::Publish { message, msg_id: None, reply } => {
-            let _ = reply.send(publisher.publish_order(&message).await);
-        }
-        DurableRequest::Publish { message, msg_id: Some(msg_id), reply } => {
-            let _ = reply.send(publisher.publish_order_as(&message, &msg_id).await);
+        DurableRequest::Publish { messages, reply } => {
+            let acks = messages.iter().map(|(message, msg_id)| async move {
+                match msg_id {
+                    None => publisher.publish_order(message).await,
+                    Some(msg_id) => publisher.publish_order_as(message, msg_id).await,
+                }
+            });
+            let _ = reply.send(futures::future::join_all(acks).await);
         }
         DurableRequest::StockReturned { key } => notice::publish(client, key).await,
         DurableRequest::Pg(job) => job(pool.clone(), timeout).await,

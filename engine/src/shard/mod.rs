@@ -195,6 +195,9 @@ pub struct Shard {
     pub publish_circuit: RefCell<crate::logic::circuit::Circuit>,
     /// This shard's copy of the mode table.
     pub modes: RefCell<crate::durable::control::ShardModes>,
+    /// Messages on their way to the log, crossing to the durable side together
+    /// (`publish.rs`).
+    pub outgoing: publish::Outgoing,
     /// Acknowledged reservations whose `mark_sent` is still to be made (`publish.rs`).
     pub marks: publish::Marks,
 }
@@ -409,6 +412,7 @@ impl Shard {
                 shared.config.publish_circuit,
             )),
             modes: RefCell::new(crate::durable::control::ShardModes::new(&shared.modes)),
+            outgoing: publish::Outgoing::default(),
             marks: publish::Marks::default(),
         }
     }

@@ -3,7 +3,8 @@
 //!
 //! 1. the shard's log-publish circuit: open → not sent (the reservation stays pending and
 //!    the scanner retries; half-open admits a few probes whose outcome closes or re-opens it);
-//! 2. the publish through the durable side ([`DurableRequest::Publish`]), awaited for at most
+//! 2. the publish through the durable side ([`DurableRequest::Publish`], the messages of one
+//!    poll of the shard together: [`Outgoing`]), awaited for at most
 //!    `publish_wait_ms`; counted as ok / timeout / error in `flashsale_publish_total`. The
 //!    circuit records how the log really answered, not how long the shard waited: an ack that
 //!    arrives after `publish_wait_ms` (a healthy but slow log, e.g. on CPU-saturated cores)
@@ -81,12 +82,8 @@ pub async fn publish_order(
         identity,
         origin,
     };
-    let Some(reply) = send(shard, message, identity) else {
-        record(shard, call, CallOutcome::Failure);
-        return Published::NotAcked;
-    };
+    let mut reply = send(shard, message, identity);
     let wait = Duration::from_millis(shard.config().publish_wait_ms);
-    let mut reply = reply;
     match glommio::timer::timeout(wait, async { Ok((&mut reply).await) }).await {
         Ok(Ok(Ok(_ack))) => {
             shard.metrics().publish_ok.fetch_add(1, Ordering::Relaxed);
@@ -221,17 +218,62 @@ async fn mark_sent(shard: &Shard, keys: &SkuKeys, chunk: &[(Rc<SkuKeys>, MarkReq
     let _ = super::retry_idempotent(retry, || shard.functions.mark_sent(keys, &args)).await;
 }
 
-/// Hands the message to the durable side; `None` when its queue is full (nothing sent).
-fn send(shard: &Shard, message: OrderCreate, identity: MsgIdentity) -> Option<Reply> {
+/// Queues the message for this poll's crossing to the durable side ([`Outgoing`]).
+fn send(shard: &Rc<Shard>, message: OrderCreate, identity: MsgIdentity) -> Reply {
     let msg_id = match identity {
         MsgIdentity::Original => None,
         MsgIdentity::Attempt => Some(format!("{}-r{}", message.message_id, message.retry_count)),
     };
-    let (tx, rx) = oneshot::channel();
-    let request = DurableRequest::Publish { message: Box::new(message), msg_id, reply: tx };
-    if shard.shared.durable.try_send(request).is_err() {
-        shard.metrics().publish_error.fetch_add(1, Ordering::Relaxed);
-        return None;
+    let (reply, rx) = oneshot::channel();
+    shard.outgoing.queue.borrow_mut().push(Outbound { message, msg_id, reply });
+    if !shard.outgoing.scheduled.replace(true) {
+        let shard = Rc::clone(shard);
+        glommio::spawn_local(async move { cross(&shard).await }).detach();
     }
-    Some(rx)
+    rx
+}
+
+/// Messages to the log that are published in the same poll of the shard: they cross to the
+/// durable side as one request and their acks come back as one answer, two wake-ups across
+/// the thread boundary per batch instead of two per message.
+#[derive(Default)]
+pub struct Outgoing {
+    queue: RefCell<Vec<Outbound>>,
+    scheduled: Cell<bool>,
+}
+
+struct Outbound {
+    message: OrderCreate,
+    msg_id: Option<String>,
+    reply: oneshot::Sender<Result<PublishAck, LogError>>,
+}
+
+/// Messages in one request to the durable side, at most.
+const PUBLISH_BATCH_MAX: usize = 128;
+
+/// Hands what this poll queued to the durable side and each ack to its publisher. A full
+/// queue or a stopped durable side drops the replies: each publisher sees "not sent".
+async fn cross(shard: &Shard) {
+    // The other publishes of this poll join the batch first.
+    futures_lite::future::yield_now().await;
+    shard.outgoing.scheduled.set(false);
+    let mut queued = std::mem::take(&mut *shard.outgoing.queue.borrow_mut());
+    let mut answers = Vec::new();
+    while !queued.is_empty() {
+        let rest = queued.split_off(queued.len().min(PUBLISH_BATCH_MAX));
+        let (messages, replies): (Vec<_>, Vec<_>) =
+            queued.into_iter().map(|o| ((o.message, o.msg_id), o.reply)).unzip();
+        queued = rest;
+        let (tx, rx) = oneshot::channel();
+        if shard.shared.durable.try_send(DurableRequest::Publish { messages, reply: tx }).is_ok() {
+            answers.push(async move {
+                if let Ok(acks) = rx.await {
+                    for (reply, ack) in replies.into_iter().zip(acks) {
+                        let _ = reply.send(ack);
+                    }
+                }
+            });
+        }
+    }
+    futures::future::join_all(answers).await;
 }
