@@ -1,7 +1,8 @@
 //! `redis-sync`'s consumer (DESIGN.md section 6): pulls `SECKILL_EVENTS` on the durable side
 //! and hands each event to the owner shard of its SKU — the only writer of that SKU's Redis
-//! keys in this instance — through one bounded queue per shard ([`SyncRequest`]). The delivery
-//! is acked only after the shard applied it; a Redis error NAKs it for redelivery (every step
+//! keys in this instance — through one bounded queue per shard ([`SyncRequest`]: the events
+//! of one fetch for one shard travel together, one crossing each way). A delivery is acked
+//! only after the shard applied its event; a Redis error NAKs it for redelivery (every step
 //! is idempotent); an undecodable event is dead-lettered.
 //!
 //! Not here: what applying an event means (`shard/sync.rs`, on the owner shard), which Redis
@@ -20,15 +21,16 @@ use crate::logic::router::{PartitionTable, SkuKey};
 const FETCH_MAX: usize = 256;
 /// Long-poll wait of an empty fetch.
 const FETCH_WAIT: Duration = Duration::from_millis(500);
-/// Longest a shard may take to apply one event before the delivery is NAKed.
+/// Longest a shard may take to apply one fetch's events before their deliveries are NAKed.
 const APPLY_WAIT: Duration = Duration::from_secs(5);
 /// Redelivery delay after a failed apply.
 const NAK_DELAY: Duration = Duration::from_millis(500);
 
-/// One event on its way to the owner shard.
+/// Events on their way to their owner shard, answered together: one result per event, in
+/// order.
 pub struct SyncRequest {
-    pub event: ReservationEvent,
-    pub reply: oneshot::Sender<Result<(), String>>,
+    pub events: Vec<ReservationEvent>,
+    pub reply: oneshot::Sender<Vec<Result<(), String>>>,
 }
 
 /// Where events go: the partition table and one bounded queue per shard; and where the
@@ -72,31 +74,58 @@ pub async fn run(
                 continue;
             }
         };
-        let work = deliveries.into_iter().map(|d| settle(d, &publisher, &targets));
-        futures::future::join_all(work).await;
+        settle(deliveries, &publisher, &targets).await;
     }
 }
 
-async fn settle(delivery: Delivery, publisher: &Publisher, targets: &SyncTargets) {
-    let event = match decode_event(delivery.payload()) {
-        Ok(event) => event,
-        Err(e) => {
-            // Undecodable or from a newer schema: no retry can fix it.
-            tracing::error!(error = %e, "redis-sync: dead-lettering an event");
-            if publisher.dead_letter(&delivery, REDIS_SYNC_CONSUMER, &e.to_string()).await.is_ok() {
-                let _ = delivery.term().await;
+/// Dead-letters what cannot be decoded and hands the rest to their owner shards, one request
+/// per shard; acks each delivery whose event was applied, NAKs the others.
+async fn settle(deliveries: Vec<Delivery>, publisher: &Publisher, targets: &SyncTargets) {
+    let mut per_shard: Vec<Vec<(Delivery, ReservationEvent)>> =
+        targets.shards.iter().map(|_| Vec::new()).collect();
+    let mut undecodable = Vec::new();
+    for delivery in deliveries {
+        match decode_event(delivery.payload()) {
+            Ok(event) => {
+                let owner = targets.table.owner(SkuKey::new(event.activity_id, event.sku_id));
+                per_shard[owner].push((delivery, event));
             }
-            return;
+            Err(e) => undecodable.push((delivery, e)),
         }
-    };
-    let key = SkuKey::new(event.activity_id, event.sku_id);
-    let owner = targets.table.owner(key);
-    let (tx, rx) = oneshot::channel();
-    let sent = targets.shards[owner].send(SyncRequest { event, reply: tx }).await.is_ok();
-    let applied = sent && matches!(tokio::time::timeout(APPLY_WAIT, rx).await, Ok(Ok(Ok(()))));
-    if applied {
-        let _ = delivery.ack().await;
-    } else {
-        let _ = delivery.nak(NAK_DELAY).await;
     }
+    let dead = undecodable.into_iter().map(|(delivery, e)| async move {
+        // Undecodable or from a newer schema: no retry can fix it.
+        tracing::error!(error = %e, "redis-sync: dead-lettering an event");
+        if publisher.dead_letter(&delivery, REDIS_SYNC_CONSUMER, &e.to_string()).await.is_ok() {
+            let _ = delivery.term().await;
+        }
+    });
+    let applied = per_shard
+        .into_iter()
+        .enumerate()
+        .filter(|(_, batch)| !batch.is_empty())
+        .map(|(owner, batch)| apply_on(&targets.shards[owner], batch));
+    futures::future::join(futures::future::join_all(dead), futures::future::join_all(applied))
+        .await;
+}
+
+async fn apply_on(shard: &mpsc::Sender<SyncRequest>, batch: Vec<(Delivery, ReservationEvent)>) {
+    let (deliveries, events): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+    let (tx, rx) = oneshot::channel();
+    let sent = shard.send(SyncRequest { events, reply: tx }).await.is_ok();
+    let results = match tokio::time::timeout(APPLY_WAIT, rx).await {
+        Ok(Ok(results)) if sent => results,
+        _ => Vec::new(),
+    };
+    let settled = deliveries.into_iter().enumerate().map(|(i, delivery)| {
+        let applied = matches!(results.get(i), Some(Ok(())));
+        async move {
+            if applied {
+                let _ = delivery.ack().await;
+            } else {
+                let _ = delivery.nak(NAK_DELAY).await;
+            }
+        }
+    });
+    futures::future::join_all(settled).await;
 }

@@ -1,6 +1,6 @@
 //! The owner shard's side of `redis-sync` (DESIGN.md section 6): each event from
-//! `durable/sync.rs` is applied to this SKU's Redis keys and local flags, one task per event
-//! (bounded by the queue), and the result goes back so the delivery is acked or NAKed:
+//! `durable/sync.rs` is applied to this SKU's Redis keys and local flags (the events of one
+//! request at once), and the results go back so each delivery is acked or NAKed:
 //!
 //! - `order_created`: `apply_result(ORDER_CREATED)` (the reservation leaves `pending`);
 //! - `reservation_failed`: `apply_result(FAILED)`;
@@ -106,7 +106,8 @@ async fn compensate(
     Ok(())
 }
 
-/// The shard's receiving end: applies events one task each (bounded by the queue).
+/// The shard's receiving end: applies each request's events at once, one task per request
+/// (bounded by the queue), and answers with every event's result.
 pub fn spawn_receiver(shard: &Rc<Shard>, mut rx: mpsc::Receiver<SyncRequest>) {
     let shard = Rc::clone(shard);
     glommio::spawn_local(async move {
@@ -114,14 +115,19 @@ pub fn spawn_receiver(shard: &Rc<Shard>, mut rx: mpsc::Receiver<SyncRequest>) {
         while let Some(request) = rx.recv().await {
             let shard = Rc::clone(&shard);
             glommio::spawn_local(async move {
-                let result = apply(&shard, &request.event).await.map_err(|e| e.to_string());
-                if let Err(e) = &result {
-                    tracing::warn!(error = %e, reservation_id = %request.event.reservation_id, "redis-sync apply failed");
-                }
-                let _ = request.reply.send(result);
+                let applied = request.events.iter().map(|event| apply_logged(&shard, event));
+                let _ = request.reply.send(futures::future::join_all(applied).await);
             })
             .detach();
         }
     })
     .detach();
+}
+
+async fn apply_logged(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(), String> {
+    let result = apply(shard, event).await.map_err(|e| e.to_string());
+    if let Err(e) = &result {
+        tracing::warn!(error = %e, reservation_id = %event.reservation_id, "redis-sync apply failed");
+    }
+    result
 }
