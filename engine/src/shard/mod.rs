@@ -203,6 +203,45 @@ pub struct Shard {
 }
 
 impl Shard {
+    /// A shard's state before its tasks start.
+    fn new(
+        id: usize,
+        shared: &Arc<EdgeShared>,
+        functions: Functions,
+        mesh: Senders<MeshMsg>,
+        id_seed: [u8; 32],
+    ) -> Shard {
+        Shard {
+            id,
+            shared: Arc::clone(shared),
+            functions,
+            mesh,
+            owner: RefCell::new(OwnerState::new(owner_limits(&shared.config), id_seed)),
+            replicas: RefCell::new(HashMap::new()),
+            keys: RefCell::new(HashMap::new()),
+            request_seq: Cell::new(0),
+            user_limiter: RefCell::new(Limiter::new(
+                shared.config.user_rate,
+                shared.config.limiter_slots,
+            )),
+            ip_limiter: RefCell::new(Limiter::new(
+                shared.config.ip_rate,
+                shared.config.limiter_slots,
+            )),
+            read_limiter: RefCell::new(Limiter::new(
+                shared.config.read_user_rate,
+                shared.config.limiter_slots,
+            )),
+            bad_signature_log: Cell::new(crate::logic::limiter::Throttle::new(1_000)),
+            publish_circuit: RefCell::new(crate::logic::circuit::Circuit::new(
+                shared.config.publish_circuit,
+            )),
+            modes: RefCell::new(crate::durable::control::ShardModes::new(&shared.modes)),
+            outgoing: publish::Outgoing::default(),
+            marks: publish::Marks::default(),
+        }
+    }
+
     pub fn metrics(&self) -> &ShardMetrics {
         self.shared.metrics.shard(self.id)
     }
@@ -375,47 +414,6 @@ pub struct ShardStart {
     pub sync_rx: Option<tokio::sync::mpsc::Receiver<crate::durable::sync::SyncRequest>>,
     /// SKUs this shard owns whose stock another instance returned (`durable/notice.rs`).
     pub notice_rx: Option<tokio::sync::mpsc::Receiver<SkuKey>>,
-}
-
-impl Shard {
-    /// A shard's state before its tasks start.
-    fn new(
-        id: usize,
-        shared: &Arc<EdgeShared>,
-        functions: Functions,
-        mesh: Senders<MeshMsg>,
-        id_seed: [u8; 32],
-    ) -> Shard {
-        Shard {
-            id,
-            shared: Arc::clone(shared),
-            functions,
-            mesh,
-            owner: RefCell::new(OwnerState::new(owner_limits(&shared.config), id_seed)),
-            replicas: RefCell::new(HashMap::new()),
-            keys: RefCell::new(HashMap::new()),
-            request_seq: Cell::new(0),
-            user_limiter: RefCell::new(Limiter::new(
-                shared.config.user_rate,
-                shared.config.limiter_slots,
-            )),
-            ip_limiter: RefCell::new(Limiter::new(
-                shared.config.ip_rate,
-                shared.config.limiter_slots,
-            )),
-            read_limiter: RefCell::new(Limiter::new(
-                shared.config.read_user_rate,
-                shared.config.limiter_slots,
-            )),
-            bad_signature_log: Cell::new(crate::logic::limiter::Throttle::new(1_000)),
-            publish_circuit: RefCell::new(crate::logic::circuit::Circuit::new(
-                shared.config.publish_circuit,
-            )),
-            modes: RefCell::new(crate::durable::control::ShardModes::new(&shared.modes)),
-            outgoing: publish::Outgoing::default(),
-            marks: publish::Marks::default(),
-        }
-    }
 }
 
 /// The body of each shard's executor: connect, bind, serve until stopped.
