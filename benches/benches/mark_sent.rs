@@ -13,19 +13,20 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use flashsale_benches::BenchRedis;
+use flashsale_benches::{with_client, BenchRedis};
 use flashsale_engine::app::cpu::{process_ticks, self_ticks, US_PER_TICK};
 use flashsale_io::redis::layout::ActivityStatus;
 use flashsale_io::redis::script::{
     Functions, MarkSent, MarkSentArgs, MarkSentReply, PreheatArgs, ReserveArgs, ReserveReply,
     SkuKeys,
 };
-use flashsale_io::redis::{RedisClient, RedisConfig};
 
 const BATCHES: [usize; 4] = [1, 8, 32, 128];
 const ROUNDS: u64 = 3;
 const IN_FLIGHT: usize = 16;
 const T0: u64 = 1_750_000_000_000;
+/// Per command: a call of 128 marks under a loaded Redis stays far below it.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
 struct Sample {
     redis_us_per_mark: f64,
@@ -66,8 +67,8 @@ fn main() {
 
 /// Reserves `marks` units of SKU `sku` (not measured), then marks them all in calls of `batch`.
 fn run(addr: SocketAddr, pid: u32, sku: u64, batch: usize, marks: usize) -> Sample {
-    on_glommio(addr, move |functions| async move {
-        let functions = Rc::new(functions);
+    with_client(addr, COMMAND_TIMEOUT, move |client| async move {
+        let functions = Rc::new(Functions::new(client));
         let keys = Rc::new(SkuKeys::new(77, sku));
         let preheat = PreheatArgs {
             status: ActivityStatus::Active,
@@ -163,29 +164,6 @@ async fn mark(functions: &Functions, keys: &SkuKeys, ns: Vec<u64>) {
     let args = MarkSentArgs { marks: &marks, now_ms: T0 + 20, order_deadline_ms: 60_000 };
     let replies = functions.mark_sent(keys, &args).await.expect("mark_sent");
     assert!(replies.iter().all(|r| *r == MarkSentReply::Ok), "{replies:?}");
-}
-
-fn on_glommio<T, F, Fut>(addr: SocketAddr, f: F) -> T
-where
-    T: Send + 'static,
-    F: FnOnce(Functions) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = T> + 'static,
-{
-    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-        .name("bench")
-        // Small io memory: the default does not fit the 8 MiB memlock limit here.
-        .io_memory(512 << 10)
-        .ring_depth(128)
-        .spawn(move || async move {
-            let mut config = RedisConfig::new(addr);
-            config.in_flight_max = 128;
-            config.command_timeout = Duration::from_secs(5);
-            let client = RedisClient::connect(config).await.expect("connect to bench redis");
-            f(Functions::new(client)).await
-        })
-        .expect("spawn glommio executor")
-        .join()
-        .expect("glommio executor")
 }
 
 fn median(mut values: Vec<f64>) -> f64 {

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use flashsale_benches::BenchRedis;
+use flashsale_benches::{on_glommio, BenchRedis};
 use flashsale_engine::app::stack::{redis_call, RedisCluster};
 use flashsale_io::redis::layout::ActivityStatus;
 use flashsale_io::redis::router::{MinReplicaAcks, Router, RouterConfig};
@@ -81,37 +81,30 @@ fn with_functions<T: Send + 'static>(
         + Send
         + 'static,
 ) -> T {
-    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-        .name("bench")
-        .io_memory(512 << 10)
-        .ring_depth(128)
-        .spawn(move || async move {
-            let mut node = RedisConfig::new(seeds[0]);
-            node.in_flight_max = 1_024;
-            node.command_timeout = Duration::from_secs(2);
-            let mut config = RouterConfig::new(seeds, node);
-            config.min_replica_acks = MinReplicaAcks::Exactly(case.acks);
-            let router = Router::connect(config).await.expect("connect");
-            assert_eq!(router.fence().min_replica_acks, case.acks);
-            let f = Rc::new(Functions::over(router));
-            f.load_everywhere().await.expect("FUNCTION LOAD");
-            let skus: Vec<SkuKeys> = (1..=case.skus).map(|s| SkuKeys::new(90_001, s)).collect();
-            for keys in &skus {
-                let args = PreheatArgs {
-                    status: ActivityStatus::Active,
-                    start_ms: T0 - 1_000,
-                    end_ms: T0 + 3_600_000,
-                    version: 1,
-                    reservation_ttl_ms: 300_000,
-                    stock: 1_000_000_000,
-                };
-                f.preheat(keys, &args).await.expect("preheat");
-            }
-            run(f, Rc::new(skus)).await
-        })
-        .expect("spawn glommio executor")
-        .join()
-        .expect("glommio executor")
+    on_glommio(move || async move {
+        let mut node = RedisConfig::new(seeds[0]);
+        node.in_flight_max = 1_024;
+        node.command_timeout = Duration::from_secs(2);
+        let mut config = RouterConfig::new(seeds, node);
+        config.min_replica_acks = MinReplicaAcks::Exactly(case.acks);
+        let router = Router::connect(config).await.expect("connect");
+        assert_eq!(router.fence().min_replica_acks, case.acks);
+        let f = Rc::new(Functions::over(router));
+        f.load_everywhere().await.expect("FUNCTION LOAD");
+        let skus: Vec<SkuKeys> = (1..=case.skus).map(|s| SkuKeys::new(90_001, s)).collect();
+        for keys in &skus {
+            let args = PreheatArgs {
+                status: ActivityStatus::Active,
+                start_ms: T0 - 1_000,
+                end_ms: T0 + 3_600_000,
+                version: 1,
+                reservation_ttl_ms: 300_000,
+                stock: 1_000_000_000,
+            };
+            f.preheat(keys, &args).await.expect("preheat");
+        }
+        run(f, Rc::new(skus)).await
+    })
 }
 
 async fn reserve_one(f: &Functions, keys: &SkuKeys) {

@@ -13,8 +13,8 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use flashsale_benches::BenchRedis;
-use flashsale_io::redis::{RedisClient, RedisConfig};
+use flashsale_benches::{with_client, BenchRedis};
+use flashsale_io::redis::RedisClient;
 use flashsale_io::resp::Reply;
 
 const LIBRARY: &str = "#!lua name=flashsale_bench\n\
@@ -22,30 +22,11 @@ redis.register_function('bump', function(keys, args) return redis.call('INCR', k
 
 const DEPTHS: [usize; 3] = [1, 16, 64];
 
-/// Runs `f` on a fresh glommio executor with a connected client.
-fn with_client<T: Send + 'static, F: std::future::Future<Output = T> + 'static>(
-    addr: SocketAddr,
-    f: impl FnOnce(RedisClient) -> F + Send + 'static,
-) -> T {
-    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-        .name("bench")
-        // Small io memory: the default does not fit the 8 MiB memlock limit here.
-        .io_memory(512 << 10)
-        .ring_depth(128)
-        .spawn(move || async move {
-            let mut config = RedisConfig::new(addr);
-            config.in_flight_max = 128;
-            config.command_timeout = Duration::from_secs(2);
-            let client = RedisClient::connect(config).await.expect("connect to bench redis");
-            f(client).await
-        })
-        .expect("spawn glommio executor")
-        .join()
-        .expect("glommio executor")
-}
+/// Per command; the calls here answer in microseconds.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn load_library(addr: SocketAddr) {
-    with_client(addr, |client| async move {
+    with_client(addr, COMMAND_TIMEOUT, |client| async move {
         let reply = client
             .command(&[b"FUNCTION", b"LOAD", b"REPLACE", LIBRARY.as_bytes()])
             .await
@@ -122,7 +103,9 @@ fn main() {
         group.throughput(Throughput::Elements(1));
         for depth in DEPTHS {
             group.bench_with_input(BenchmarkId::new("in_flight", depth), &depth, |b, &depth| {
-                b.iter_custom(|ops| with_client(addr, move |client| run_ops(client, depth, ops)))
+                b.iter_custom(|ops| {
+                    with_client(addr, COMMAND_TIMEOUT, move |client| run_ops(client, depth, ops))
+                })
             });
         }
         group.finish();
@@ -132,8 +115,9 @@ fn main() {
     println!("\nsame-run throughput, 2 s per depth (FCALL bump, one connection):");
     let mut rates = Vec::new();
     for depth in DEPTHS {
-        let (rate, batch) =
-            with_client(addr, move |client| run_for(client, depth, Duration::from_secs(2)));
+        let (rate, batch) = with_client(addr, COMMAND_TIMEOUT, move |client| {
+            run_for(client, depth, Duration::from_secs(2))
+        });
         println!("  in flight {depth:>2}: {rate:>9.0} ops/s, {batch:.1} commands per write");
         rates.push(rate);
     }

@@ -1,4 +1,5 @@
-//! Helpers shared by the benches: a private `redis-server` on a free loopback port.
+//! Helpers shared by the benches: a private `redis-server` on a free loopback port, and the
+//! glommio executor (with a Redis client) the Redis benches run on.
 //!
 //! `flashsale-tests` (the integration-test support) is deliberately not a dependency of the
 //! benches, so this is a minimal launcher of its own: one process, no persistence, killed
@@ -10,9 +11,50 @@
 
 pub mod loadgen;
 
+use std::future::Future;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use flashsale_io::redis::{RedisClient, RedisConfig};
+
+/// Runs `f` on a fresh unpinned glommio executor (the benches share the cores with the
+/// servers) and returns what it returns.
+pub fn on_glommio<T, Fut>(f: impl FnOnce() -> Fut + Send + 'static) -> T
+where
+    T: Send + 'static,
+    Fut: Future<Output = T> + 'static,
+{
+    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .name("bench")
+        // Small io memory: the default does not fit the 8 MiB memlock limit here.
+        .io_memory(512 << 10)
+        .ring_depth(128)
+        .spawn(f)
+        .expect("spawn glommio executor")
+        .join()
+        .expect("glommio executor")
+}
+
+/// [`on_glommio`] with a client of the redis-server at `addr` (128 commands in flight, each
+/// bounded by `command_timeout`).
+pub fn with_client<T, Fut>(
+    addr: SocketAddr,
+    command_timeout: Duration,
+    f: impl FnOnce(RedisClient) -> Fut + Send + 'static,
+) -> T
+where
+    T: Send + 'static,
+    Fut: Future<Output = T> + 'static,
+{
+    on_glommio(move || async move {
+        let mut config = RedisConfig::new(addr);
+        config.in_flight_max = 128;
+        config.command_timeout = command_timeout;
+        let client = RedisClient::connect(config).await.expect("connect to bench redis");
+        f(client).await
+    })
+}
 
 /// A redis-server started for one bench run; killed when dropped.
 pub struct BenchRedis {
