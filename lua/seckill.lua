@@ -17,7 +17,11 @@
 --   is deterministic and replays identically on replicas and in tests.
 -- * Numbers in ARGV are non-negative decimal integers of at most 15 digits (a Lua number holds
 --   them exactly, and sums of two stay below 2^53). Numbers are written back with '%d' because
---   Lua's tostring ('%.14g') would turn 15-digit values into exponent notation.
+--   Lua's tostring ('%.14g') would turn 15-digit values into exponent notation. Every time and
+--   duration the engine sends is inside that (io/src/bounds.rs: times up to year 9999 are 15
+--   digits). Business ids (user ids) are NOT numbers here: they are the canonical decimal text
+--   of 1..=9223372036854775807 (PostgreSQL bigint, io/src/bounds.rs ID_VALUE_MAX), checked as
+--   text and only ever used as text, so a 19-digit (snowflake) id is as good as a small one.
 -- * Bad input is rejected with `-ERR seckill: bad <arg>` BEFORE any write: Redis does not roll
 --   back a function that fails half way, so validation always comes first.
 -- * Ids (request, reservation, message, order) are 1..128 bytes.
@@ -45,6 +49,20 @@ local function uint(s)
     return nil
   end
   return tonumber(s)
+end
+
+-- The largest business id, as text (io/src/bounds.rs ID_VALUE_MAX; a test there checks the two
+-- agree).
+local ID_VALUE_MAX_TEXT = '9223372036854775807'
+
+-- A business id in its one canonical spelling: decimal digits, no leading zero, 1..=i64::MAX.
+-- Compared as text (same-length digit strings order like their values), never converted.
+local function id_num(s)
+  if type(s) ~= 'string' or #s == 0 or #s > #ID_VALUE_MAX_TEXT
+      or not string.find(s, '^[1-9]%d*$') then
+    return false
+  end
+  return #s < #ID_VALUE_MAX_TEXT or s <= ID_VALUE_MAX_TEXT
 end
 
 local function flag(s)
@@ -107,7 +125,7 @@ local function reserve(keys, args)
   local reservation_id, message_id = args[4], args[5]
   local now_ms, grace_ms = uint(args[6]), uint(args[7])
   if not id_ok(request_id) then return bad('request_id') end
-  if not uint(user_id) then return bad('user_id') end
+  if not id_num(user_id) then return bad('user_id') end
   if not id_ok(payload_hash) then return bad('payload_hash') end
   if not id_ok(reservation_id) then return bad('reservation_id') end
   if not id_ok(message_id) then return bad('message_id') end
@@ -299,7 +317,7 @@ local function claim_due(keys, args)
     else
       local reserved_at = uint(r[2])
       local valid = CLAIMABLE[status] and reserved_at and id_ok(r[3]) and id_ok(r[4])
-        and uint(r[5]) and id_ok(r[6]) and uint(r[7])
+        and id_num(r[5]) and id_ok(r[6]) and uint(r[7])
       local stuck_code = nil
       if not valid then
         stuck_code = 'INVALID_RECORD'
@@ -381,7 +399,7 @@ local function apply_result(keys, args)
   if not id_ok(request_id) then return bad('request_id') end
   if not id_ok(payload_hash) then return bad('payload_hash') end
   if not id_ok(message_id) then return bad('message_id') end
-  if not uint(user_id) then return bad('user_id') end
+  if not id_num(user_id) then return bad('user_id') end
   local p = prefix_of(keys[3], 'resv:pending')
   if not p or keys[1] ~= p .. 'req:' .. user_id .. ':' .. request_id
       or keys[2] ~= p .. 'resv:' .. reservation_id or keys[4] ~= p .. 'resv:stuck' then

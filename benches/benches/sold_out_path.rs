@@ -75,7 +75,7 @@ fn sold_out_path(
 
 fn bench(c: &mut Criterion) {
     let keys = PassKeys::parse("k1:0123456789abcdef0123456789abcdef").expect("keys");
-    let pass = keys.mint("k1", UserId(30001), ActivityId(10001), 1_900_000_000).expect("mint");
+    let pass = keys.mint("k1", UserId(30001), ActivityId(10001), 1_800_000_600).expect("mint");
     // A sold-out SKU whose replica knows 10,000 accepted requests.
     let replay_hash = api::payload_hash(
         ActivityId(10001),

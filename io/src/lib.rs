@@ -6,6 +6,7 @@
 //!   of the `seckill` Redis Functions library in `lua/`.
 //! - [`log`]: the JetStream side (streams, consumers, publishing with `Nats-Msg-Id`).
 //! - [`wire`]: the order-create message and outbox event schemas.
+//! - [`bounds`]: the one set of bounds for every id and number a buyer or an operator sends.
 //! - [`key`] and [`payment`]: the one prepared HMAC key type and the payment provider's
 //!   signature scheme (callbacks, status requests and answers); pure, shared by the engine and
 //!   the worker.
@@ -13,6 +14,7 @@
 //! This crate decides nothing about business outcomes; it reports what the stores said, and
 //! says "outcome unknown" when it cannot know.
 
+pub mod bounds;
 pub mod key;
 pub mod log;
 pub mod payment;

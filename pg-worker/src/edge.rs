@@ -43,12 +43,15 @@ pub struct ActivitySpec {
     pub reservation_ttl_ms: i64,
     pub pay_timeout_ms: i64,
     pub allocator: Allocator,
+    /// The SKU's unit price; `None`: created without one (orders then carry no amount).
+    pub price_cents: Option<i64>,
 }
 
 impl ActivitySpec {
-    /// The canonical text whose equality decides "same body" for idempotency.
+    /// The canonical text whose equality decides "same body" for idempotency (a body without
+    /// a price hashes as before prices existed).
     pub fn config_hash(&self) -> String {
-        format!(
+        let base = format!(
             "v1|{}|{}|{}|{}|{}|{}|{}|{}",
             self.activity_id,
             self.sku_id,
@@ -58,7 +61,11 @@ impl ActivitySpec {
             self.reservation_ttl_ms,
             self.pay_timeout_ms,
             self.allocator.as_str()
-        )
+        );
+        match self.price_cents {
+            None => base,
+            Some(price) => format!("{base}|price={price}"),
+        }
     }
 }
 
@@ -120,6 +127,7 @@ pub async fn create_activity(
         sku_id: spec.sku_id,
         stock: spec.stock,
         allocator: spec.allocator,
+        price_cents: spec.price_cents,
     };
     crate::lifecycle::insert_sku(&tx, &sku).await?;
     tx.commit().await?;

@@ -22,8 +22,9 @@ use tokio_postgres::error::SqlState;
 /// Every failure of this crate. Not `Clone`: driver errors are not.
 #[derive(Debug, thiserror::Error)]
 pub enum PgError {
-    /// Anything the driver or the server reported.
-    #[error("postgres: {0}")]
+    /// Anything the driver or the server reported (shown with the server's SQLSTATE and
+    /// message: the driver's own text is only "db error").
+    #[error("postgres: {}", describe(.0))]
     Db(#[from] tokio_postgres::Error),
 
     /// A migration's SQL failed; `source` says why.
@@ -169,6 +170,18 @@ impl PgError {
             },
             _ => false,
         }
+    }
+}
+
+/// A driver error as an operator needs it in a log line: `ERROR 22008: timestamp out of
+/// range` for a server error, the driver's text (with its cause) for anything else.
+pub fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} {}: {}", db.severity(), db.code().code(), db.message()),
+        None => match e.source() {
+            Some(cause) => format!("{e}: {cause}"),
+            None => e.to_string(),
+        },
     }
 }
 

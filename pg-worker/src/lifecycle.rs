@@ -52,18 +52,31 @@ pub struct SkuSpec {
     pub sku_id: i64,
     pub stock: i64,
     pub allocator: Allocator,
+    /// The unit price (`sku_inventory.price_cents`); an order's amount comes from it.
+    pub price_cents: Option<i64>,
 }
 
 impl SkuSpec {
     /// The canonical text whose equality decides "same body" (also written by
     /// `edge::create_activity` for the activity's first SKU).
     pub fn config_hash(&self) -> String {
-        sku_config_hash(self.sku_id, self.stock, self.allocator)
+        sku_config_hash(self.sku_id, self.stock, self.allocator, self.price_cents)
     }
 }
 
-pub fn sku_config_hash(sku_id: i64, stock: i64, allocator: Allocator) -> String {
-    format!("sku-v1|{sku_id}|{stock}|{}", allocator.as_str())
+/// A SKU without a price hashes as before prices existed, so bodies sent before then are
+/// still "the same body".
+pub fn sku_config_hash(
+    sku_id: i64,
+    stock: i64,
+    allocator: Allocator,
+    price_cents: Option<i64>,
+) -> String {
+    let base = format!("sku-v1|{sku_id}|{stock}|{}", allocator.as_str());
+    match price_cents {
+        None => base,
+        Some(price) => format!("{base}|price={price}"),
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -185,8 +198,8 @@ pub async fn insert_sku(client: &impl GenericClient, spec: &SkuSpec) -> Result<(
     client
         .execute(
             "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, \
-                                        available_stock, config_hash) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
+                                        available_stock, config_hash, price_cents) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
             &[
                 &spec.activity_id,
                 &spec.sku_id,
@@ -194,6 +207,7 @@ pub async fn insert_sku(client: &impl GenericClient, spec: &SkuSpec) -> Result<(
                 &spec.allocator.as_str(),
                 &available,
                 &spec.config_hash(),
+                &spec.price_cents,
             ],
         )
         .await?;

@@ -75,6 +75,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "lifecycle",
         sql: include_str!("../migrations/0006_lifecycle.sql"),
     },
+    Migration {
+        version: 7,
+        name: "bounds_and_price",
+        sql: include_str!("../migrations/0007_bounds_and_price.sql"),
+    },
 ];
 
 // A malformed list is a build defect: catch it at compile time.

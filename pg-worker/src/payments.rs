@@ -117,9 +117,10 @@ const RECORD_ASK_SQL: &str = "\
 
 const REFUNDS_SQL: &str = "\
     SELECT p.order_id, p.payment_id, p.amount_cents, \
-           (extract(epoch FROM p.created_at) * 1000)::bigint, o.status \
+           (extract(epoch FROM p.created_at) * 1000)::bigint, o.status, p.outcome \
     FROM payment p LEFT JOIN orders o ON o.order_id = p.order_id \
-    WHERE p.outcome = 'REFUND_NEEDED' ORDER BY p.created_at, p.payment_id LIMIT $1";
+    WHERE p.outcome IN ('REFUND_NEEDED', 'AMOUNT_MISMATCH') \
+    ORDER BY p.created_at, p.payment_id LIMIT $1";
 
 const MARK_UNKNOWN_SQL: &str = "\
     UPDATE orders SET status = 'PAYMENT_UNKNOWN', updated_at = now() \
@@ -536,12 +537,15 @@ pub struct Refund {
     pub since_ms: i64,
     /// The order's status (`None`: no such order).
     pub order_status: Option<String>,
+    /// Why the money goes back: `REFUND_NEEDED` (no live order took it) or `AMOUNT_MISMATCH`
+    /// (another amount than the order's).
+    pub outcome: String,
 }
 
 /// Largest refund listing.
 pub const REFUNDS_MAX: usize = 1_000;
 
-/// Payments recorded REFUND_NEEDED, oldest first, at most `limit` (1..=[`REFUNDS_MAX`]).
+/// Payments recorded REFUND_NEEDED or AMOUNT_MISMATCH (money to give back), oldest first, at most `limit` (1..=[`REFUNDS_MAX`]).
 pub async fn list_refunds(client: &Client, limit: usize) -> Result<Vec<Refund>, PgError> {
     if !(1..=REFUNDS_MAX).contains(&limit) {
         return Err(PgError::InvalidArgument("limit must be within 1..=REFUNDS_MAX"));
@@ -555,6 +559,7 @@ pub async fn list_refunds(client: &Client, limit: usize) -> Result<Vec<Refund>, 
             amount_cents: row.try_get(2)?,
             since_ms: row.try_get(3)?,
             order_status: row.try_get(4)?,
+            outcome: row.try_get(5)?,
         });
     }
     Ok(refunds)

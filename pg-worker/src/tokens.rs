@@ -21,10 +21,11 @@ use tokio_postgres::Transaction;
 
 use crate::error::PgError;
 
-/// Most tokens one SKU may have. Generation is one statement: a million rows
-/// take a few seconds and a few hundred MB of WAL, which is the most a single
-/// admin call should do. A flash sale sells thousands.
-pub const TOKENS_PER_SKU_MAX: i64 = 1_000_000;
+/// Most tokens one SKU may have (`io/src/bounds.rs` STOCK_MAX, the one bound the admin API
+/// checks too). Generation is one statement: a million rows take a few seconds and a few
+/// hundred MB of WAL, which is the most a single admin call should do. A flash sale sells
+/// thousands.
+pub const TOKENS_PER_SKU_MAX: i64 = flashsale_io::bounds::STOCK_MAX as i64;
 
 /// Ensures tokens `1..=$3` of SKU (`$1`, `$2`) exist; returns how many it
 /// created. Existing tokens keep their status (a re-run never resurrects a

@@ -32,6 +32,10 @@ fn signed(key: &str, version: u64, scope: Scope, mode: Mode, ttl_ms: i64) -> Str
     sign(&control_key(key).unwrap(), snapshot).unwrap().to_json()
 }
 
+fn recovering_of(admit_percent: u8) -> Mode {
+    Mode::Recovering { admit_percent }
+}
+
 fn post_mode(engine_admin: std::net::SocketAddr, body: &str) -> (u16, serde_json::Value) {
     let r = HttpClient::connect(engine_admin).request("POST", "/admin/v1/mode", None, Some(body));
     (r.status, r.json())
@@ -110,6 +114,16 @@ fn signed_modes_close_and_reopen_and_bad_snapshots_are_refused() {
     // Older versions and the QUERY_ONLY -> NORMAL jump are refused; the ramp is enforced.
     let (status, v) = post_mode(admin, &signed(CONTROL, 4, Scope::Global, Mode::Normal, 60_000));
     assert_eq!((status, v["reason_code"].as_str()), (409, Some("STALE_VERSION")), "{v}");
+    // Issue 23: no version that would freeze the scope — u64::MAX is malformed, a jump of more
+    // than MODE_VERSION_STEP_MAX above the current one is refused (and nothing changed).
+    let frozen = signed(CONTROL, 6, Scope::Global, recovering_of(25), 60_000)
+        .replace("\"version\":6", &format!("\"version\":{}", u64::MAX));
+    let (status, v) = post_mode(admin, &frozen);
+    assert_eq!((status, v["reason_code"].as_str()), (400, Some("MALFORMED")), "{v}");
+    let jump = 5 + flashsale_io::bounds::MODE_VERSION_STEP_MAX + 1;
+    let (status, v) =
+        post_mode(admin, &signed(CONTROL, jump, Scope::Global, recovering_of(25), 60_000));
+    assert_eq!((status, v["reason_code"].as_str()), (400, Some("VERSION_JUMP")), "{v}");
     let (status, v) = post_mode(admin, &signed(CONTROL, 6, Scope::Global, Mode::Normal, 60_000));
     assert_eq!((status, v["reason_code"].as_str()), (400, Some("MUST_RECOVER")), "{v}");
     let recovering = |p| Mode::Recovering { admit_percent: p };

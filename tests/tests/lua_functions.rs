@@ -237,8 +237,9 @@ async fn claim(f: &Functions, now_ms: u64, batch_max: u32) -> Result<ClaimDueRep
 
 fn assert_bad_arg<T: std::fmt::Debug>(r: Result<T, ScriptError>, arg: &str) {
     match r {
-        Err(ScriptError::Server(m)) => {
-            assert_eq!(m, format!("ERR seckill: bad {arg}"), "error message");
+        Err(e @ ScriptError::Refused(_)) => {
+            assert!(e.is_refusal(), "a validation reply is a refusal, never a node failure");
+            assert_eq!(e.to_string(), format!("refused by the seckill library: bad {arg}"));
         }
         other => panic!("expected `bad {arg}`, got {other:?}"),
     }
@@ -458,6 +459,92 @@ async fn fcall_raw(f: &Functions, function: &str, keys: &[&str], args: &[&str]) 
     String::from_utf8(error.to_vec()).unwrap()
 }
 
+/// 64-bit buyer ids (issue 23): the library takes every id PostgreSQL's `bigint` holds, as
+/// text, through the whole life of a reservation — reserve, the scanner's claim, mark_sent,
+/// the outcome and a compensation — and refuses only what is not an id.
+#[test]
+fn sixty_four_bit_buyer_ids_live_a_whole_reservation() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        let users = [1_000_000_000_000_000u64, 1_234_567_890_123_456_789, i64::MAX as u64];
+        for (n, &user) in users.iter().enumerate() {
+            let n = n as u64 + 1;
+            let reply = reserve_as(&f, &ids(n), user, "h", T0 + 10).await;
+            assert!(matches!(reply, ReserveReply::Created { .. }), "user {user}: {reply:?}");
+            assert_eq!(get(&f, &key(&format!("user:{user}"))).await, Some(format!("resv_{n}")));
+            assert_eq!(
+                hgetall(&f, &key(&format!("resv:resv_{n}"))).await["user_id"],
+                user.to_string()
+            );
+        }
+        // The scanner claims them as valid records (not INVALID_RECORD), with their ids.
+        let claimed = claim(&f, T0 + 10 + GRACE_MS, 16).await.unwrap();
+        assert!(claimed.stuck.is_empty(), "{claimed:?}");
+        let mut claimed_users: Vec<u64> = claimed.claimed.iter().map(|e| e.user_id).collect();
+        claimed_users.sort_unstable();
+        assert_eq!(claimed_users, users.to_vec());
+        // mark_sent, an order for the first, a compensation for the second.
+        let id1 = ids(1);
+        let marks = [MarkSent {
+            reservation_id: &id1.reservation_id,
+            request_id: &id1.request_id,
+            user_id: users[0],
+        }];
+        let args = MarkSentArgs { marks: &marks, now_ms: T0 + 20, order_deadline_ms: 60_000 };
+        assert_eq!(f.mark_sent(&keys(), &args).await.unwrap(), vec![MarkSentReply::Ok]);
+        let order = ApplyResultArgs {
+            request_id: &id1.request_id,
+            reservation_id: &id1.reservation_id,
+            outcome: FinalOutcome::OrderCreated { order_id: "ord_1" },
+            now_ms: T0 + 30,
+            payload_hash: "h",
+            message_id: &id1.message_id,
+            user_id: users[0],
+        };
+        assert_eq!(f.apply_result(&keys(), &order).await.unwrap(), ApplyResultReply::Applied);
+        let id2 = ids(2);
+        let back = CompensateArgs {
+            reservation_id: &id2.reservation_id,
+            request_id: &id2.request_id,
+            user_id: users[1],
+            return_stock: true,
+            release_user: true,
+            reason_code: "EXPIRED",
+            now_ms: T0 + 40,
+        };
+        assert!(matches!(
+            f.compensate(&keys(), &back).await.unwrap(),
+            CompensateReply::Applied { .. }
+        ));
+        assert!(!exists(&f, &key(&format!("user:{}", users[1]))).await, "user released");
+
+        // Not ids: one past i64::MAX, a leading zero, zero. Refused before any write.
+        let k: Vec<String> = [
+            key("meta"),
+            key("stock"),
+            String::new(),
+            String::new(),
+            key("resv:resv_9"),
+            key("resv:pending"),
+            key("soldout"),
+        ]
+        .to_vec();
+        for bad in ["9223372036854775808", "012", "0", "99999999999999999999"] {
+            let mut k = k.clone();
+            k[2] = key(&format!("user:{bad}"));
+            k[3] = key(&format!("req:{bad}:req_9"));
+            let k: Vec<&str> = k.iter().map(String::as_str).collect();
+            let argv = ["req_9", bad, "h", "resv_9", "msg_9", "1750000000010", "2000"];
+            assert_eq!(
+                fcall_raw(&f, "reserve", &k, &argv).await,
+                "ERR seckill: bad user_id",
+                "{bad}"
+            );
+        }
+        assert!(!exists(&f, &key("resv:resv_9")).await);
+    });
+}
+
 #[test]
 fn bad_arguments_are_refused_before_any_write() {
     with_redis(|f| async move {
@@ -561,8 +648,8 @@ fn bad_arguments_are_refused_before_any_write() {
         );
         assert_eq!(hgetall(&f, &meta).await["version"], "1");
 
-        // Through the binding, a server-side rejection is ScriptError::Server, not transient,
-        // and its outcome is known (the function wrote nothing).
+        // Through the binding, the library's validation is ScriptError::Refused, not
+        // transient, and its outcome is known (the function wrote nothing).
         let e = f
             .preheat(
                 &keys(),

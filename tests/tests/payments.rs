@@ -174,6 +174,49 @@ async fn a_callback_applies_once_per_payment_id() {
     assert_invariants(c, 1, 2).await;
 }
 
+/// Issue 23: an order carries its amount (the SKU's `price_cents`), so a provider-signed PAID
+/// of another amount is AMOUNT_MISMATCH — the order keeps its unit (PAYMENT_UNKNOWN), and the
+/// money is listed for refund with a `refund_requested` event — while the right amount pays.
+/// Before migration 0007 the order had no amount and any amount, 0 included, paid it.
+#[tokio::test]
+async fn an_order_carries_its_price_and_a_payment_of_another_amount_is_refunded() {
+    let db = db().await;
+    let c = &db.client;
+    seed_sku(c, 1, 2, 3, "TOKEN").await;
+    c.execute("UPDATE sku_inventory SET price_cents = 1500 WHERE activity_id = 1", &[])
+        .await
+        .expect("price");
+    let ids = orders(&db, 1, 2, 1..3, "price").await;
+    let (short, exact) = (&ids[0], &ids[1]);
+    assert_eq!(count(c, "SELECT count(*) FROM orders WHERE amount_cents = 1500").await, 2);
+
+    for (payment, amount) in [("p_zero", 0), ("p_short", 1499)] {
+        let mismatch = apply_callback(c, &cb(payment, short, "PAID", amount), now_ms()).await;
+        let mismatch = mismatch.expect("cb");
+        assert_eq!(mismatch.outcome, CallbackOutcome::AmountMismatch, "{payment}");
+        assert_eq!(mismatch.order_status.as_deref(), Some("PAYMENT_UNKNOWN"));
+    }
+    assert_eq!(token_of(c, short).await.1, "CLAIMED", "the unit is kept, never resold");
+    let refunds = flashsale_pg_worker::payments::list_refunds(c, 10).await.expect("refunds");
+    let listed: Vec<(&str, i64, &str)> = refunds
+        .iter()
+        .map(|r| (r.payment_id.as_str(), r.amount_cents, r.outcome.as_str()))
+        .collect();
+    assert_eq!(listed, [("p_zero", 0, "AMOUNT_MISMATCH"), ("p_short", 1499, "AMOUNT_MISMATCH")]);
+    assert_eq!(events(c, "refund_requested").await.len(), 2, "each announced for refund");
+
+    let paid = apply_callback(c, &cb("p_exact", exact, "PAID", 1500), now_ms()).await.expect("cb");
+    assert_eq!(paid.outcome, CallbackOutcome::Paid);
+    assert_eq!(token_of(c, exact).await.1, "SOLD");
+
+    // A SKU created without a price: its orders carry no amount (the old behaviour).
+    seed_sku(c, 3, 4, 1, "TOKEN").await;
+    let unpriced = orders(&db, 3, 4, 7..8, "noprice").await;
+    let any = apply_callback(c, &cb("p_any", &unpriced[0], "PAID", 1), now_ms()).await.expect("cb");
+    assert_eq!(any.outcome, CallbackOutcome::Paid);
+    assert_invariants(c, 1, 2).await;
+}
+
 #[tokio::test]
 async fn concurrent_identical_callbacks_apply_once() {
     let db = db().await;

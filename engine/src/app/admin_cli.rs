@@ -265,6 +265,9 @@ pub struct CreateActivityArgs {
     /// TOKEN (inventory tokens, the default) or ROW (one counter row).
     #[arg(long)]
     pub allocator: Option<String>,
+    /// The unit price in cents: an order's amount, checked against each PAID callback.
+    #[arg(long)]
+    pub price_cents: Option<u64>,
 }
 
 /// Parses `admin ...`-style arguments (the first item is the program name) exactly as the
@@ -434,6 +437,7 @@ fn create_activity(
         ("reservation_ttl_ms", args.reservation_ttl_ms.map(Value::from)),
         ("pay_timeout_ms", args.pay_timeout_ms.map(Value::from)),
         ("allocator", args.allocator.clone().map(Value::from)),
+        ("price_cents", args.price_cents.map(Value::from)),
     ];
     for (name, value) in optional {
         if let Some(value) = value {

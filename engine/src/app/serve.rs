@@ -60,7 +60,8 @@ impl ServeConfig {
             io_memory_bytes: self.io_memory_bytes as u64,
             listen_backlog: crate::app::startup::GLOMMIO_LISTEN_BACKLOG,
             connections_per_shard_max: self.edge.connections_per_shard_max as u64,
-            admin_connections_max: self.edge.admin_connections_max as u64,
+            admin_connections_max: (self.edge.admin_connections_max
+                + crate::shard::conn::ADMIN_PROBE_SLOTS) as u64,
         }
     }
 
@@ -160,6 +161,9 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         // address: set it to connections_per_shard_max there (README, Operations).
         connections_per_address_max: 1_024,
         admin_connections_max: 64,
+        // An operator's CLI, a dashboard and a scraper need a few each; a silent flood from
+        // one address then leaves the rest of the budget to everyone else.
+        admin_connections_per_address_max: 16,
         header_read_timeout_ms: 5_000,
         // Bodies are at most 4 KiB: anything slower than this is not a buyer.
         body_read_timeout_ms: 5_000,

@@ -87,10 +87,12 @@ impl ModeState {
         (self.revision(), table.clone())
     }
 
-    /// Whether `signed` would be accepted now, without accepting it.
+    /// Whether an operator's `signed` would be accepted now (its version step included),
+    /// without accepting it.
     pub fn check(&self, signed: &SignedSnapshot, now_ms: u64) -> Result<Applied, ControlError> {
         let table = self.lock();
         let mut trial = table.clone().ok_or(ControlError::NoKey)?;
+        trial.check_version_step(&signed.snapshot).map_err(ControlError::Mode)?;
         trial.apply(signed, now_ms).map_err(ControlError::Mode)
     }
 

@@ -55,6 +55,10 @@ pub const PASS_LEN_MAX: usize = 256;
 pub const KID_LEN_MAX: usize = 32;
 /// Most keys configured at once (rotation needs two; a few more cover staged roll-outs).
 pub const PASS_KEYS_MAX: usize = 16;
+/// Longest a pass may still be valid for when it is shown: a day. A pass is minted for one
+/// sale (minutes to hours); one that expires later than this was minted wrong, and a leaked
+/// one must not keep buying for months.
+pub const PASS_LIFETIME_MAX_S: u64 = 24 * 3600;
 
 /// Bytes of an HMAC-SHA256 tag.
 const SIG_LEN: usize = 32;
@@ -199,6 +203,9 @@ impl PassKeys {
         if now_unix_s >= parts.exp_unix_s {
             return Err(PassError::Expired);
         }
+        if parts.exp_unix_s - now_unix_s > PASS_LIFETIME_MAX_S {
+            return Err(PassError::LifetimeTooLong);
+        }
         Ok(UserPass {
             user_id: parts.user_id,
             activity_id: parts.activity_id,
@@ -251,6 +258,10 @@ pub enum PassError {
     BadSignature,
     #[error("pass expired")]
     Expired,
+    /// Expires further ahead than [`PASS_LIFETIME_MAX_S`]: a leaked pass must not buy for
+    /// months, so the issuer's clock or code is wrong and the pass is refused.
+    #[error("pass lifetime over the maximum")]
+    LifetimeTooLong,
 }
 
 impl PassError {
@@ -262,6 +273,7 @@ impl PassError {
             PassError::UnknownKid => "unknown_kid",
             PassError::BadSignature => "bad_signature",
             PassError::Expired => "expired",
+            PassError::LifetimeTooLong => "lifetime_too_long",
         }
     }
 }
@@ -284,25 +296,30 @@ impl UserPass {
     }
 }
 
-/// The pass of a `Bearer` credential, or why there is none.
-fn bearer_token(header: &[u8]) -> Result<&[u8], PassError> {
+/// The credential of an `Authorization: Bearer <credential>` value: the scheme matched
+/// without regard to case (RFC 9110 section 11.1), one or more spaces, a non-empty rest.
+/// `None` for anything else. The one reading of a bearer header, for passes and the admin
+/// token alike.
+pub fn bearer_credential(header: &[u8]) -> Option<&[u8]> {
     const SCHEME: &[u8] = b"bearer";
-    if header.is_empty() {
-        return Err(PassError::Missing);
-    }
     if header.len() <= SCHEME.len() || !header[..SCHEME.len()].eq_ignore_ascii_case(SCHEME) {
-        return Err(PassError::Malformed);
+        return None;
     }
     let after_scheme = &header[SCHEME.len()..];
     let spaces = after_scheme.iter().take_while(|&&b| b == b' ').count();
-    if spaces == 0 {
-        return Err(PassError::Malformed);
+    let credential = &after_scheme[spaces..];
+    (spaces > 0 && !credential.is_empty()).then_some(credential)
+}
+
+/// The pass of a `Bearer` credential, or why there is none.
+fn bearer_token(header: &[u8]) -> Result<&[u8], PassError> {
+    if header.is_empty() {
+        return Err(PassError::Missing);
     }
-    let pass = &after_scheme[spaces..];
-    if pass.is_empty() || pass.len() > PASS_LEN_MAX {
-        return Err(PassError::Malformed);
+    match bearer_credential(header) {
+        Some(pass) if pass.len() <= PASS_LEN_MAX => Ok(pass),
+        _ => Err(PassError::Malformed),
     }
-    Ok(pass)
 }
 
 /// A syntactically valid pass, split; borrowed from the header.

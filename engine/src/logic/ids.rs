@@ -55,8 +55,8 @@ pub fn parse_decimal_u64(text: &[u8]) -> Option<u64> {
     Some(value)
 }
 
-/// Largest id value: ids are stored in PostgreSQL `bigint` columns.
-pub const ID_VALUE_MAX: u64 = i64::MAX as u64;
+/// Largest id value (`io/src/bounds.rs`: PostgreSQL `bigint`, and what Lua accepts as text).
+pub use flashsale_io::bounds::ID_VALUE_MAX;
 
 macro_rules! numeric_id {
     ($(#[$doc:meta])* $name:ident) => {

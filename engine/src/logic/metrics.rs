@@ -87,6 +87,8 @@ pub struct ShardMetrics {
     /// not take.
     pub timeouts_head: AtomicU64,
     pub timeouts_body: AtomicU64,
+    /// Connections closed because their first byte did not arrive within the header deadline.
+    pub timeouts_first_byte: AtomicU64,
     pub timeouts_write: AtomicU64,
     /// Trusted balancers' connections without a valid PROXY header (closed).
     pub proxy_refused_malformed: AtomicU64,
@@ -198,6 +200,7 @@ impl EdgeMetrics {
             "flashsale_connection_timeouts_total",
             "phase",
             &[
+                ("first_byte", |s| &s.timeouts_first_byte),
                 ("head", |s| &s.timeouts_head),
                 ("body", |s| &s.timeouts_body),
                 ("write", |s| &s.timeouts_write),

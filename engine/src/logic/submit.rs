@@ -159,11 +159,17 @@ pub enum ReserveResult {
     },
     ActivityInvalid,
     IdempotencyConflict,
-    /// The function did not run (refused, not sent): nothing was reserved.
+    /// The library refused an argument (bad input, or a bound the edge and the library
+    /// disagree on): nothing was reserved, and the node answered — it is healthy.
+    Refused,
+    /// The function did not run (not sent, or the node failed): nothing was reserved.
     NotRun,
     /// The function may have run (written, no answer; or an unreadable answer).
     Unknown,
 }
+
+/// `reason_code` of an `INVALID` answer for a value the store refused (`ReserveResult::Refused`).
+pub const ARGUMENT_REFUSED: &str = "ARGUMENT_REFUSED";
 
 /// `reason_code` of a SKU closed by a Redis failover (`REJECT_REASONS`).
 pub const REDIS_FAILOVER: &str = "REDIS_FAILOVER";
@@ -378,6 +384,8 @@ impl OwnerState {
         let health = match result {
             ReserveResult::NotRun => CallOutcome::Failure,
             ReserveResult::Unknown => CallOutcome::Unknown,
+            // A refusal is the node answering: one buyer's value never opens the circuit.
+            ReserveResult::Refused => CallOutcome::Success,
             _ => CallOutcome::Success,
         };
         self.circuit(node).record(circuit_call, health, now_ms);
@@ -618,6 +626,9 @@ fn classify(
         ReserveResult::IdempotencyConflict => {
             (ReserveSeen::Other, SubmitAnswer::of(SubmitOutcome::IdempotencyConflict), None)
         }
+        ReserveResult::Refused => {
+            (ReserveSeen::Other, SubmitAnswer::invalid(ARGUMENT_REFUSED), None)
+        }
         ReserveResult::NotRun => (
             ReserveSeen::Other,
             SubmitAnswer::retry(SubmitOutcome::SystemBusy, limits.busy_retry_ms),
@@ -763,6 +774,33 @@ mod tests {
         let c = call(owner.begin(&r, None, &outside(false, now), now));
         owner.finish(c, &r, ReserveResult::SoldOut, now);
         assert_ne!(owner.redis_circuit(now), CircuitState::Open);
+    }
+
+    /// Issue 23: one buyer whose value the store refuses, however often, never opens the
+    /// SKU's Redis circuit; the same number of node failures does (the control).
+    #[test]
+    fn refused_arguments_never_open_the_circuit_failures_do() {
+        let h = hash(3);
+        let run = |result: fn() -> ReserveResult| {
+            let mut owner = OwnerState::new(limits(), [5; 32]);
+            let mut answers = Vec::new();
+            for now in NOW..NOW + 50 {
+                let id = format!("r{now}");
+                let r = request(2, &id, &h);
+                match owner.begin(&r, None, &outside(false, now), now) {
+                    Begin::Call(c) => answers.push(owner.finish(c, &r, result(), now).answer),
+                    Begin::Answer { answer, .. } => answers.push(answer),
+                }
+            }
+            (owner.redis_circuit(NOW + 50), answers)
+        };
+        let (circuit, answers) = run(|| ReserveResult::Refused);
+        assert_eq!(circuit, CircuitState::Closed);
+        assert!(answers.iter().all(|a| a.outcome == SubmitOutcome::Invalid
+            && a.reason_code.as_deref() == Some(ARGUMENT_REFUSED)));
+        let (circuit, answers) = run(|| ReserveResult::NotRun);
+        assert_eq!(circuit, CircuitState::Open, "the control: node failures do open it");
+        assert!(answers.iter().all(|a| a.outcome == SubmitOutcome::SystemBusy));
     }
 
     /// SKUs 0 and 1 on two masters, 2 and 3 where no slot map is known yet.

@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::BytesMut;
+use flashsale_io::bounds;
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, PreheatReply};
 use flashsale_pg_worker::edge::{self, ActivitySpec, Allocator, CreateActivity};
@@ -23,13 +24,13 @@ use super::conn::RequestCtx;
 use super::Shard;
 use crate::durable::DurableRequest;
 use crate::http::{write_response, ContentType, Method, Request, ResponseHead, Status};
+use crate::logic::auth::bearer_credential;
 use crate::logic::clock::now_ms;
+use crate::logic::ids::{ActivityId, SkuId};
 use crate::logic::router::SkuKey;
 
 /// A shard whose loop has not ticked for this long is not live.
 const HEARTBEAT_STALE_MS: u64 = 2_000;
-/// Largest stock one admin call may create tokens for.
-const STOCK_MAX: i64 = 10_000_000;
 /// Defaults of CONTRACT.md section 4's optional fields.
 const DEFAULT_WINDOW_MS: i64 = 24 * 3600 * 1000;
 const DEFAULT_RESERVATION_TTL_MS: i64 = 5 * 60 * 1000;
@@ -61,18 +62,15 @@ pub async fn handle(
 
 /// `GET /livez` and `GET /readyz` answer without a token (CONTRACT.md section 4); `/startupz`
 /// keeps it (no balancer needs it, and it is what an orchestrator with credentials polls).
-fn is_public_health(request: &Request<'_>) -> bool {
+pub(super) fn is_public_health(request: &Request<'_>) -> bool {
     request.method == Method::Get && matches!(request.path, "/livez" | "/readyz")
 }
 
 fn authorized(shard: &Shard, request: &Request<'_>, ctx: &RequestCtx) -> bool {
     match &shard.shared.admin_token {
         Some(token) => {
-            let given = request
-                .authorization
-                .and_then(|h| h.strip_prefix("Bearer "))
-                .unwrap_or("")
-                .as_bytes();
+            let header = request.authorization.unwrap_or("").as_bytes();
+            let given = bearer_credential(header).unwrap_or(b"");
             constant_time_eq(given, token.as_bytes())
         }
         None => ctx.peer_is_loopback,
@@ -264,7 +262,7 @@ fn render_mode(shard: &Shard, out: &mut String) {
 }
 
 /// `GET /admin/v1/refunds`: payments recorded REFUND_NEEDED (money received for an order
-/// that no longer takes it), oldest first, at most `payments::REFUNDS_MAX`. Each also produced
+/// that no longer takes it) or AMOUNT_MISMATCH (another amount than the order's), oldest first, at most `payments::REFUNDS_MAX`. Each also produced
 /// a `refund_requested` event on `seckill.event.refund_requested` when its order exists.
 async fn refunds(shard: &Rc<Shard>) -> (Status, String) {
     use flashsale_pg_worker::payments::{list_refunds, REFUNDS_MAX};
@@ -284,6 +282,7 @@ async fn refunds(shard: &Rc<Shard>) -> (Status, String) {
                         "amount_cents": r.amount_cents,
                         "since_ms": r.since_ms,
                         "order_status": r.order_status,
+                        "outcome": r.outcome,
                     })
                 })
                 .collect();
@@ -323,7 +322,9 @@ fn parse_sku_path(path: &str) -> Option<SkuKey> {
     let rest = path.strip_prefix("/admin/v1/activities/")?;
     let (a, rest) = rest.split_once('/')?;
     let s = rest.strip_prefix("skus/")?;
-    Some(SkuKey::new(a.parse().ok()?, s.parse().ok()?))
+    let activity = ActivityId::parse_decimal(a.as_bytes())?;
+    let sku = SkuId::parse_decimal(s.as_bytes())?;
+    Some(SkuKey::new(activity.get(), sku.get()))
 }
 
 /// `/admin/v1/activities/{a}/skus/{s}/stuck/{reservation_id}`
@@ -344,48 +345,79 @@ struct CreateBody {
     reservation_ttl_ms: Option<i64>,
     pay_timeout_ms: Option<i64>,
     allocator: Option<String>,
+    price_cents: Option<i64>,
 }
 
+/// `value` within `lo..=hi` (the bounds of `io/src/bounds.rs`), else `reason`.
+fn within(value: i64, lo: u64, hi: u64, reason: &'static str) -> Result<i64, &'static str> {
+    let ok = u64::try_from(value).is_ok_and(|v| (lo..=hi).contains(&v));
+    if ok {
+        Ok(value)
+    } else {
+        Err(reason)
+    }
+}
+
+/// The fields a SKU is created with, checked against every store that will hold them
+/// (`io/src/bounds.rs`), for `POST /admin/v1/activities` and `.../skus` alike.
+pub(super) struct SkuFields {
+    pub stock: i64,
+    pub allocator: Allocator,
+    pub price_cents: Option<i64>,
+}
+
+pub(super) fn sku_fields(
+    stock: i64,
+    allocator: Option<&str>,
+    price_cents: Option<i64>,
+) -> Result<SkuFields, &'static str> {
+    let stock = within(stock, 0, bounds::STOCK_MAX, "STOCK_INVALID")?;
+    let allocator = match allocator {
+        None => Allocator::Token,
+        Some(text) => Allocator::parse(text).ok_or("ALLOCATOR_INVALID")?,
+    };
+    let price_cents =
+        price_cents.map(|p| within(p, 0, bounds::PRICE_CENTS_MAX, "PRICE_INVALID")).transpose()?;
+    Ok(SkuFields { stock, allocator, price_cents })
+}
+
+/// Every field within the bounds of every store that will hold it (PostgreSQL, Redis' Lua
+/// library, the message schema), so that nothing is written for a body some later step
+/// would refuse.
 fn validate(body: CreateBody) -> Result<ActivitySpec, &'static str> {
-    if body.activity_id <= 0 {
-        return Err("ACTIVITY_ID_INVALID");
-    }
-    if body.sku_id <= 0 {
-        return Err("SKU_ID_INVALID");
-    }
-    if !(0..=STOCK_MAX).contains(&body.stock) {
-        return Err("STOCK_INVALID");
-    }
+    let id = |value, reason| within(value, 1, bounds::ID_VALUE_MAX, reason);
+    let activity_id = id(body.activity_id, "ACTIVITY_ID_INVALID")?;
+    let sku_id = id(body.sku_id, "SKU_ID_INVALID")?;
+    let sku = sku_fields(body.stock, body.allocator.as_deref(), body.price_cents)?;
     // Defaults are fixed numbers, not "now": a retried call must hash to the same body.
     let start_at_ms = body.start_at_ms.unwrap_or(0);
     let end_at_ms = body.end_at_ms.unwrap_or_else(|| {
         if start_at_ms == 0 {
             i64::from(i32::MAX) * 1000
         } else {
-            start_at_ms + DEFAULT_WINDOW_MS
+            start_at_ms.saturating_add(DEFAULT_WINDOW_MS)
         }
     });
-    if start_at_ms < 0 || end_at_ms <= start_at_ms {
+    let time = |value| within(value, 0, bounds::TIME_MS_MAX, "WINDOW_INVALID");
+    let (start_at_ms, end_at_ms) = (time(start_at_ms)?, time(end_at_ms)?);
+    if end_at_ms <= start_at_ms {
         return Err("WINDOW_INVALID");
     }
     let reservation_ttl_ms = body.reservation_ttl_ms.unwrap_or(DEFAULT_RESERVATION_TTL_MS);
+    let reservation_ttl_ms =
+        within(reservation_ttl_ms, 1, bounds::RESERVATION_TTL_MS_MAX, "TIMEOUT_INVALID")?;
     let pay_timeout_ms = body.pay_timeout_ms.unwrap_or(DEFAULT_PAY_TIMEOUT_MS);
-    if reservation_ttl_ms <= 0 || pay_timeout_ms <= 0 {
-        return Err("TIMEOUT_INVALID");
-    }
-    let allocator = match body.allocator.as_deref() {
-        None => Allocator::Token,
-        Some(text) => Allocator::parse(text).ok_or("ALLOCATOR_INVALID")?,
-    };
+    let pay_timeout_ms = within(pay_timeout_ms, 1, bounds::PAY_TIMEOUT_MS_MAX, "TIMEOUT_INVALID")?;
     Ok(ActivitySpec {
-        activity_id: body.activity_id,
-        sku_id: body.sku_id,
-        stock: body.stock,
+        activity_id,
+        sku_id,
+        stock: sku.stock,
         start_at_ms,
         end_at_ms,
         reservation_ttl_ms,
         pay_timeout_ms,
-        allocator,
+        allocator: sku.allocator,
+        price_cents: sku.price_cents,
     })
 }
 
@@ -468,6 +500,7 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
             "reservation_ttl_ms": spec.reservation_ttl_ms,
             "pay_timeout_ms": spec.pay_timeout_ms,
             "allocator": spec.allocator.as_str(),
+            "price_cents": spec.price_cents,
             "status": "ACTIVE",
         })
         .to_string(),

@@ -33,7 +33,7 @@
 //! `orders` and `admin`. Every answer goes through `http::write_response`.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::rc::Rc;
@@ -82,6 +82,16 @@ pub const ACCEPT_BACKOFF_MAX_MS: u64 = 250;
 const LOG_INTERVAL_MS: u64 = 1_000;
 /// How often a shard looks at the drain flag (set from another thread or shard 0).
 const DRAIN_POLL_MS: u64 = 10;
+/// Admin-plane connections served beyond `admin_connections_max` (and beyond an address's
+/// share), for health probes only: a flood of silent or slow admin connections can hold the
+/// budget, but not these, because each is held at most [`PROBE_DEADLINE_MS`] and answers only
+/// `/livez` and `/readyz` (issue 23: a liveness probe must not restart a healthy engine
+/// because someone filled the admin port). A separate probe listener would need another port
+/// in every balancer and orchestrator; a reserved budget on the same port needs none.
+pub const ADMIN_PROBE_SLOTS: usize = 8;
+/// A probe connection's whole-request deadline from its accept: balancers and kubelets send
+/// their request at once.
+const PROBE_DEADLINE_MS: u64 = 1_000;
 /// `100 Continue` (RFC 9110 section 15.2.1): what a client sending `Expect: 100-continue`
 /// waits for before its body.
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
@@ -102,6 +112,9 @@ pub struct RequestCtx {
     /// Whether that address is loopback.
     pub peer_is_loopback: bool,
     pub plane: Plane,
+    /// A connection admitted beyond the admin plane's budget: only the health probes
+    /// (`/livez`, `/readyz`) are answered on it, once, within [`PROBE_DEADLINE_MS`].
+    pub probe_only: bool,
 }
 
 // ---- listening ----------------------------------------------------------------------------
@@ -171,6 +184,14 @@ struct ListenerState {
     plane: Plane,
     open: Cell<usize>,
     open_max: usize,
+    /// Admin plane only: connections beyond `open_max` (or beyond their address's share)
+    /// that may still be served health probes ([`ADMIN_PROBE_SLOTS`]), and how many are.
+    probes_max: usize,
+    probes_open: Cell<usize>,
+    /// The probe connections still waiting for bytes, oldest first: when every probe slot is
+    /// held, a new connection evicts the oldest ([`ListenerState::take_probe`]).
+    probe_waiters: RefCell<VecDeque<Rc<Eviction>>>,
+    per_address_max: usize,
     /// Open connections per client address key ([`address_key`]); an entry exists only while
     /// the address has a connection, so it holds at most `open_max` entries.
     per_address: RefCell<HashMap<IpAddr, u32>>,
@@ -184,18 +205,78 @@ impl ListenerState {
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
+
+    /// A probe slot: a free one, or the slot of the oldest probe connection still waiting
+    /// for bytes, which is evicted (closed). Silent or slow connections can therefore never
+    /// hold the probe budget against a real probe, which sends its request at once. Until
+    /// the evicted tasks have run, at most `probes_max` more probe connections exist (each
+    /// eviction takes a distinct waiter), so the bound is 2 × `probes_max`.
+    fn take_probe(self: &Rc<Self>) -> Option<ClassSlot> {
+        if self.probes_open.get() >= self.probes_max {
+            let mut waiters = self.probe_waiters.borrow_mut();
+            loop {
+                let oldest = waiters.pop_front()?;
+                if oldest.evict() {
+                    break;
+                }
+            }
+        }
+        Some(ClassSlot::take(self, Class::Probe))
+    }
+
+    /// Registers a probe connection as waiting for bytes (evictable).
+    fn probe_waiting(&self) -> Rc<Eviction> {
+        let eviction = Rc::new(Eviction::default());
+        let mut waiters = self.probe_waiters.borrow_mut();
+        if waiters.len() >= 2 * self.probes_max.max(1) {
+            waiters.retain(|w| !w.done.get());
+        }
+        waiters.push_back(Rc::clone(&eviction));
+        eviction
+    }
+}
+
+/// A probe connection's eviction flag and the waker of its pending read.
+#[derive(Default)]
+struct Eviction {
+    evicted: Cell<bool>,
+    /// The connection ended (or got its bytes): nothing left to evict.
+    done: Cell<bool>,
+    waker: RefCell<Option<std::task::Waker>>,
+}
+
+impl Eviction {
+    /// Evicts it if it is still waiting; false when it already ended.
+    fn evict(&self) -> bool {
+        if self.done.get() || self.evicted.get() {
+            return false;
+        }
+        self.evicted.set(true);
+        if let Some(waker) = self.waker.borrow_mut().take() {
+            waker.wake();
+        }
+        true
+    }
 }
 
 pub async fn accept_loop(shard: Rc<Shard>, listener: TcpListener, plane: Plane) {
     let config = shard.config();
-    let open_max = match plane {
-        Plane::Public => config.connections_per_shard_max,
-        Plane::Admin => config.admin_connections_max,
+    let (open_max, probes_max, per_address_max) = match plane {
+        Plane::Public => (config.connections_per_shard_max, 0, config.connections_per_address_max),
+        Plane::Admin => (
+            config.admin_connections_max,
+            ADMIN_PROBE_SLOTS,
+            config.admin_connections_per_address_max,
+        ),
     };
     let state = Rc::new(ListenerState {
         plane,
         open: Cell::new(0),
         open_max,
+        probes_max,
+        probes_open: Cell::new(0),
+        probe_waiters: RefCell::new(VecDeque::new()),
+        per_address_max,
         per_address: RefCell::new(HashMap::new()),
         pool: BufferPool::default(),
         refused_log: RefCell::new(LogEvery::new(LOG_INTERVAL_MS)),
@@ -227,19 +308,21 @@ pub async fn accept_loop(shard: Rc<Shard>, listener: TcpListener, plane: Plane) 
                 continue;
             }
         };
-        if state.open.get() >= state.open_max {
+        let slot = if state.open.get() < state.open_max {
+            ClassSlot::take(&state, Class::Full)
+        } else if let Some(probe) = state.take_probe() {
+            probe
+        } else {
             shard.metrics().connections_refused.fetch_add(1, Ordering::Relaxed);
             drop(stream);
             continue;
-        }
+        };
         let _ = stream.set_nodelay(true);
-        state.open.set(state.open.get() + 1);
         shard.metrics().connections_open.fetch_add(1, Ordering::Relaxed);
         let shard = Rc::clone(&shard);
         let state = Rc::clone(&state);
         glommio::spawn_local(async move {
-            serve_connection(&shard, &state, stream, Instant::now()).await;
-            state.open.set(state.open.get() - 1);
+            serve_connection(&shard, &state, stream, Instant::now(), slot).await;
             shard.metrics().connections_open.fetch_sub(1, Ordering::Relaxed);
         })
         .detach();
@@ -253,12 +336,23 @@ async fn serve_connection(
     state: &Rc<ListenerState>,
     stream: TcpStream,
     accepted_at: Instant,
+    mut class: ClassSlot,
 ) {
     let tcp_peer = stream.peer_addr().ok().map(|a| a.ip().to_canonical());
     let trusted = state.plane == Plane::Public
         && tcp_peer.is_some_and(|ip| shard.config().proxy_protocol_from.contains(ip));
-    let mut conn =
-        Conn { shard, state, stream, inbuf: None, out: None, clock: RequestClock::default() };
+    let mut conn = Conn {
+        shard,
+        state,
+        stream,
+        inbuf: None,
+        out: None,
+        clock: RequestClock::default(),
+        accepted_at,
+        answered_any: false,
+        head_timeout_ms: shard.config().header_read_timeout_ms,
+        eviction: None,
+    };
     let client = if trusted {
         match conn.read_proxy_header(accepted_at, tcp_peer).await {
             Some(ProxySource::Relayed { source, .. }) => Some(source.ip().to_canonical()),
@@ -268,27 +362,35 @@ async fn serve_connection(
     } else {
         tcp_peer
     };
-    let _slot = match (state.plane, client) {
-        (Plane::Public, Some(ip)) => {
-            match AddressSlot::take(state, ip, shard.config().connections_per_address_max) {
-                Some(slot) => Some(slot),
-                None => {
-                    shard.metrics().connections_refused_per_address.fetch_add(1, Ordering::Relaxed);
-                    if let Some(suppressed) =
-                        state.refused_log.borrow_mut().should_log(state.now_ms())
-                    {
-                        tracing::warn!(shard = shard.id, client = %ip, suppressed, "connection refused: per-address cap");
-                    }
-                    return;
-                }
+    let address = client.and_then(|ip| AddressSlot::take(state, ip, state.per_address_max));
+    let _address = match (address, client) {
+        (Some(slot), _) => Some(slot),
+        (None, None) => None,
+        // Over its address's share: on the admin plane it may still be a probe.
+        (None, Some(ip)) => match class.downgrade_to_probe(state) {
+            Some(probe) => {
+                class = probe;
+                None
             }
-        }
-        _ => None,
+            None => {
+                shard.metrics().connections_refused_per_address.fetch_add(1, Ordering::Relaxed);
+                if let Some(suppressed) = state.refused_log.borrow_mut().should_log(state.now_ms())
+                {
+                    tracing::warn!(shard = shard.id, client = %ip, plane = ?state.plane, suppressed, "connection refused: per-address cap");
+                }
+                return;
+            }
+        },
     };
+    if class.class == Class::Probe {
+        conn.head_timeout_ms = PROBE_DEADLINE_MS.min(shard.config().header_read_timeout_ms);
+        conn.eviction = Some(state.probe_waiting());
+    }
     let ctx = RequestCtx {
         peer_ip: client,
         peer_is_loopback: client.is_some_and(|ip| ip.is_loopback()),
         plane: state.plane,
+        probe_only: class.class == Class::Probe,
     };
     let first_bytes = if state.plane == Plane::Public && !trusted {
         FirstBytes::RefuseProxyHeader
@@ -345,11 +447,22 @@ struct Conn<'s> {
     /// Taken from the pool when an answer is written; returned once flushed and idle.
     out: Option<BytesMut>,
     clock: RequestClock,
+    /// When the connection was accepted; until its first request is answered, the head
+    /// deadline counts from here (a connection that never sends a byte is a slot held).
+    accepted_at: Instant,
+    answered_any: bool,
+    /// The head deadline (and the first byte's): the configured one, or a probe's.
+    head_timeout_ms: u64,
+    /// A probe connection's eviction (admin plane beyond its budget).
+    eviction: Option<Rc<Eviction>>,
 }
 
 impl Drop for Conn<'_> {
     fn drop(&mut self) {
         self.release_buffers();
+        if let Some(eviction) = &self.eviction {
+            eviction.done.set(true);
+        }
     }
 }
 
@@ -416,7 +529,6 @@ impl Conn<'_> {
     }
 
     async fn serve_http(&mut self, ctx: &RequestCtx, mut first_bytes: FirstBytes) {
-        let mut idle_since = Instant::now();
         loop {
             let shard: &Rc<Shard> = self.shard;
             let mut in_flight = InFlight { metrics: shard.metrics(), count: 0 };
@@ -436,7 +548,7 @@ impl Conn<'_> {
                 BatchEnd::DepthReached => continue, // more may be buffered: answer before reading
                 BatchEnd::ReadMore => {}
             }
-            let wait = self.next_wait(&mut idle_since);
+            let wait = self.next_wait();
             if wait.timeout_reason.is_none() {
                 // Idle: hold no buffer while nothing arrives.
                 self.release_buffers();
@@ -449,6 +561,9 @@ impl Conn<'_> {
                 ReadOutcome::TimedOut => {
                     if let Some(reason) = wait.timeout_reason {
                         self.answer_timeout(reason).await;
+                    } else if !self.answered_any && self.buffered().is_empty() {
+                        let metrics = self.shard.metrics();
+                        metrics.timeouts_first_byte.fetch_add(1, Ordering::Relaxed);
                     }
                     return;
                 }
@@ -494,7 +609,7 @@ impl Conn<'_> {
     ) -> BatchEnd {
         let shard: &Rc<Shard> = self.shard;
         let limits = shard.config().http;
-        let Conn { state, inbuf, out, clock, .. } = self;
+        let Conn { state, inbuf, out, clock, answered_any, .. } = self;
         let pool = &state.pool;
         let Some(inbuf) = inbuf.as_mut() else { return BatchEnd::ReadMore };
         for _ in 0..limits.pipeline_depth_max {
@@ -519,6 +634,7 @@ impl Conn<'_> {
                     inbuf.advance(consumed);
                     // The next request's deadlines start with its own first byte.
                     *clock = RequestClock::default();
+                    *answered_any = true;
                     if !keep {
                         return BatchEnd::Close;
                     }
@@ -528,21 +644,25 @@ impl Conn<'_> {
         BatchEnd::DepthReached
     }
 
-    /// The deadline of what comes next: the idle timeout when nothing is buffered, else the
-    /// head or body deadline of the partial request (queueing `100 Continue` when its client
-    /// waits for one).
-    fn next_wait(&mut self, idle_since: &mut Instant) -> Wait {
+    /// The deadline of what comes next: before the first request, its head deadline from the
+    /// accept (issue 23: a connection that never sends a byte is held no longer than a slow
+    /// head); after it, the idle timeout when nothing is buffered; else the head or body
+    /// deadline of the partial request (queueing `100 Continue` when its client waits for one).
+    fn next_wait(&mut self) -> Wait {
         let now = Instant::now();
         let config = self.shard.config();
         if self.buffered().is_empty() {
-            *idle_since = now;
+            if !self.answered_any {
+                let first_byte = Duration::from_millis(self.head_timeout_ms);
+                return Wait { deadline: self.accepted_at + first_byte, timeout_reason: None };
+            }
             let deadline = now + Duration::from_millis(config.idle_timeout_ms);
             return Wait { deadline, timeout_reason: None };
         }
         let head_started = *self.clock.head_started.get_or_insert(now);
         match progress(self.buffered(), &config.http) {
             Progress::Head => Wait {
-                deadline: head_started + Duration::from_millis(config.header_read_timeout_ms),
+                deadline: head_started + Duration::from_millis(self.head_timeout_ms),
                 timeout_reason: Some(br#"{"state":"INVALID","reason_code":"HEADER_TIMEOUT"}"#),
             },
             Progress::Body { expect_continue } => {
@@ -605,9 +725,15 @@ impl Conn<'_> {
         if remaining.is_zero() {
             return ReadOutcome::TimedOut;
         }
-        let Conn { stream, inbuf, state, .. } = self;
+        let Conn { stream, inbuf, state, eviction, .. } = self;
         let pool = &state.pool;
         let read = futures_lite::future::poll_fn(|cx| {
+            if let Some(eviction) = eviction.as_deref() {
+                if eviction.evicted.get() {
+                    return Poll::Ready(ReadOutcome::Closed);
+                }
+                *eviction.waker.borrow_mut() = Some(cx.waker().clone());
+            }
             READ_SCRATCH.with(|scratch| {
                 let mut scratch = scratch.borrow_mut();
                 match Pin::new(&mut *stream).poll_read(cx, &mut scratch[..]) {
@@ -691,6 +817,49 @@ impl Drop for AddressSlot {
                 counts.remove(&self.key);
             }
         }
+    }
+}
+
+/// Which budget of its listener a connection holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Full,
+    Probe,
+}
+
+/// One connection's place in its listener's count (full or probe); released on drop.
+struct ClassSlot {
+    state: Rc<ListenerState>,
+    class: Class,
+}
+
+impl ClassSlot {
+    fn take(state: &Rc<ListenerState>, class: Class) -> ClassSlot {
+        let count = match class {
+            Class::Full => &state.open,
+            Class::Probe => &state.probes_open,
+        };
+        count.set(count.get() + 1);
+        ClassSlot { state: Rc::clone(state), class }
+    }
+
+    /// A full slot given back for a probe slot (the admin plane's connections over their
+    /// address's share); `None`: refuse the connection.
+    fn downgrade_to_probe(&self, state: &Rc<ListenerState>) -> Option<ClassSlot> {
+        if self.class == Class::Probe || state.probes_max == 0 {
+            return None;
+        }
+        state.take_probe()
+    }
+}
+
+impl Drop for ClassSlot {
+    fn drop(&mut self) {
+        let count = match self.class {
+            Class::Full => &self.state.open,
+            Class::Probe => &self.state.probes_open,
+        };
+        count.set(count.get() - 1);
     }
 }
 
@@ -808,6 +977,15 @@ async fn route(
         head.status = Status::MethodNotAllowed;
         write_response(out, &head, b"");
         return keep && head.connection != Connection::Close;
+    }
+    if ctx.probe_only {
+        // One answer, then close: the probe slot is back for the next probe at once.
+        head.connection = Connection::Close;
+        if !admin::is_public_health(request) {
+            head.status = Status::ServiceUnavailable;
+            write_response(out, &head, br#"{"state":"SYSTEM_BUSY","reason_code":"ADMIN_BUSY"}"#);
+            return false;
+        }
     }
     match ctx.plane {
         Plane::Public => route_public(shard, request, body, ctx, &mut head, out).await,

@@ -20,6 +20,7 @@ use serde_json::json;
 use super::admin::error;
 use super::Shard;
 use crate::http::Status;
+use crate::logic::ids::parse_decimal_u64;
 
 /// Dead letters one list answer holds; `next_after` continues.
 pub const LISTED_MAX: usize = 100;
@@ -28,7 +29,7 @@ pub const LISTED_MAX: usize = 100;
 pub async fn list(shard: &Rc<Shard>, query: Option<&str>) -> (Status, String) {
     let after = match query.unwrap_or("") {
         "" => 0,
-        q => match q.strip_prefix("after=").and_then(|n| n.parse::<u64>().ok()) {
+        q => match q.strip_prefix("after=").and_then(|n| parse_decimal_u64(n.as_bytes())) {
             Some(after) => after,
             None => return error(Status::BadRequest, "QUERY_INVALID"),
         },
@@ -86,9 +87,13 @@ enum Action {
 
 /// `POST /admin/v1/dlq/{seq}`
 pub async fn act(shard: &Rc<Shard>, sequence: &str, body: &[u8]) -> (Status, String) {
-    let Ok(sequence) = sequence.parse::<u64>() else {
+    let Some(sequence) = parse_decimal_u64(sequence.as_bytes()) else {
         return error(Status::BadRequest, "SEQUENCE_INVALID");
     };
+    if sequence == 0 {
+        // Stream sequences start at 1: there is no dead letter 0 to ask the log about.
+        return error(Status::NotFound, "NO_SUCH_DEAD_LETTER");
+    }
     let Ok(ActionBody { action }) = serde_json::from_slice::<ActionBody>(body) else {
         return error(Status::BadRequest, "ACTION_INVALID");
     };

@@ -21,26 +21,29 @@ use std::rc::Rc;
 
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, ScriptError, TopUpArgs, TopUpReply};
-use flashsale_pg_worker::edge::Allocator;
 use flashsale_pg_worker::lifecycle::{self, Change, Closing, SkuSnapshot, SkuSpec};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::admin::error;
+use super::admin::{error, sku_fields};
 use super::Shard;
 use crate::durable::DurableRequest;
 use crate::http::Status;
+use crate::logic::ids::{ActivityId, SkuId};
 use crate::logic::router::SkuKey;
 
 const DEFAULT_ACTOR: &str = "admin";
+/// Longest top-up request id (an operator's idempotency key for one top-up).
+const TOP_UP_REQUEST_ID_LEN_MAX: usize = 128;
 
 /// Routes `POST /admin/v1/activities/{a}/...` lifecycle calls; `None`: not one of them.
 pub async fn route(shard: &Rc<Shard>, path: &str, body: &[u8]) -> Option<(Status, String)> {
     let rest = path.strip_prefix("/admin/v1/activities/")?;
     let parts: Vec<&str> = rest.split('/').collect();
-    let activity_id: i64 = parts.first()?.parse().ok().filter(|a| *a > 0)?;
-    let sku = |text: &str| text.parse::<i64>().ok().filter(|s| *s > 0);
+    let id = |text: &str| ActivityId::parse_decimal(text.as_bytes()).map(|id| id.get() as i64);
+    let activity_id = id(parts.first()?)?;
+    let sku = |text: &str| SkuId::parse_decimal(text.as_bytes()).map(|id| id.get() as i64);
     Some(match parts.as_slice() {
         [_, "skus"] => add_sku(shard, activity_id, body).await,
         [_, "end"] => close(shard, activity_id, None, Closing::End, body).await,
@@ -61,12 +64,17 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, (Status, String)> {
     serde_json::from_slice(body).map_err(|_| error(Status::BadRequest, "BODY_INVALID"))
 }
 
+/// 1..=`len_max` bytes of printable ASCII (spaces allowed, no control characters): what an
+/// operator's free-text field may hold, so that it cannot forge log lines or listings.
+fn printable(text: &str, len_max: usize) -> bool {
+    !text.is_empty()
+        && text.len() <= len_max
+        && text.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+}
+
 fn actor(given: Option<String>) -> Result<String, (Status, String)> {
     let actor = given.unwrap_or_else(|| DEFAULT_ACTOR.to_owned());
-    let valid = !actor.is_empty()
-        && actor.len() <= lifecycle::ACTOR_LEN_MAX
-        && actor.bytes().all(|b| b.is_ascii_graphic() || b == b' ');
-    if valid {
+    if printable(&actor, lifecycle::ACTOR_LEN_MAX) {
         Ok(actor)
     } else {
         Err(error(Status::BadRequest, "ACTOR_INVALID"))
@@ -152,6 +160,7 @@ struct AddSkuBody {
     sku_id: i64,
     stock: i64,
     allocator: Option<String>,
+    price_cents: Option<i64>,
     actor: Option<String>,
 }
 
@@ -169,17 +178,17 @@ async fn add_sku(shard: &Rc<Shard>, activity_id: i64, body: &[u8]) -> (Status, S
     if body.sku_id <= 0 {
         return error(Status::BadRequest, "SKU_ID_INVALID");
     }
-    if !(0..=flashsale_pg_worker::tokens::TOKENS_PER_SKU_MAX).contains(&body.stock) {
-        return error(Status::BadRequest, "STOCK_INVALID");
-    }
-    let allocator = match body.allocator.as_deref() {
-        None => Allocator::Token,
-        Some(text) => match Allocator::parse(text) {
-            Some(allocator) => allocator,
-            None => return error(Status::BadRequest, "ALLOCATOR_INVALID"),
-        },
+    let sku = match sku_fields(body.stock, body.allocator.as_deref(), body.price_cents) {
+        Ok(sku) => sku,
+        Err(reason) => return error(Status::BadRequest, reason),
     };
-    let spec = SkuSpec { activity_id, sku_id: body.sku_id, stock: body.stock, allocator };
+    let spec = SkuSpec {
+        activity_id,
+        sku_id: body.sku_id,
+        stock: sku.stock,
+        allocator: sku.allocator,
+        price_cents: sku.price_cents,
+    };
     let change = match pg(shard, move |mut client| async move {
         lifecycle::add_sku(&mut client, &spec, &actor).await
     })
@@ -265,7 +274,7 @@ async fn top_up(shard: &Rc<Shard>, activity_id: i64, sku_id: i64, body: &[u8]) -
     if !(1..=flashsale_pg_worker::tokens::TOKENS_PER_SKU_MAX).contains(&body.add) {
         return error(Status::BadRequest, "ADD_INVALID");
     }
-    if body.request_id.as_ref().is_some_and(|r| r.is_empty() || r.len() > 128) {
+    if body.request_id.as_deref().is_some_and(|r| !printable(r, TOP_UP_REQUEST_ID_LEN_MAX)) {
         return error(Status::BadRequest, "REQUEST_ID_INVALID");
     }
     let (add, request_id) = (body.add, body.request_id);

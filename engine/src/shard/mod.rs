@@ -65,7 +65,11 @@ pub struct EdgeConfig {
     /// address its PROXY header carries) holds on one shard; beyond it new ones are closed.
     pub connections_per_address_max: usize,
     /// Admin-plane connections (shard 0) at once: few, so that descriptors stay for clients.
+    /// `conn::ADMIN_PROBE_SLOTS` more are kept for health probes.
     pub admin_connections_max: usize,
+    /// Admin-plane connections one client address holds (loopback included): a flood from
+    /// one address cannot take the operators' budget.
+    pub admin_connections_per_address_max: usize,
     /// A request's head must be complete this long after its first byte, however slowly it
     /// trickles in (slowloris bound); then 408 and close. Also bounds the arrival of a
     /// trusted balancer's PROXY header after the accept.

@@ -289,6 +289,12 @@ fn reserve_result(reply: Result<ReserveReply, ScriptError>) -> ReserveResult {
         }
         Ok(ReserveReply::ActivityInvalid { .. }) => ReserveResult::ActivityInvalid,
         Ok(ReserveReply::IdempotencyConflict) => ReserveResult::IdempotencyConflict,
+        Err(e) if e.is_refusal() => {
+            // The edge's bounds are the library's (io/src/bounds.rs): reaching this is a bug
+            // between the two, so it is loud; it is still the buyer's answer, not the node's.
+            tracing::error!(error = %e, "reserve refused an argument the edge accepted");
+            ReserveResult::Refused
+        }
         Err(e) if e.outcome_unknown() => {
             tracing::warn!(error = %e, "reserve outcome unknown");
             ReserveResult::Unknown

@@ -74,6 +74,11 @@ pub enum ScriptError {
     /// nothing was sent.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
+    /// The library refused an argument (`-ERR seckill: bad <what>`): the function ran only its
+    /// validation and wrote nothing. The node is healthy — this is bad input (or a binding
+    /// bug), never a reason to open a circuit ([`ScriptError::is_refusal`]).
+    #[error("refused by the seckill library: bad {0}")]
+    Refused(String),
     /// `reserve` answered a reservation (CREATED, or IDEMPOTENT for one still queued) but the
     /// `WAIT` after it confirmed fewer than `min_replica_acks` replicas: it exists on the
     /// master and may vanish on failover. Never a promise: the engine answers `UNKNOWN` and
@@ -95,9 +100,19 @@ impl ScriptError {
             ScriptError::Server(message) => {
                 TRANSIENT_SERVER_ERRORS.iter().any(|prefix| message.starts_with(prefix))
             }
-            ScriptError::UnexpectedReply(_) | ScriptError::InvalidArgument(_) => false,
+            ScriptError::UnexpectedReply(_)
+            | ScriptError::InvalidArgument(_)
+            | ScriptError::Refused(_) => false,
             ScriptError::FenceShort { .. } => true,
         }
+    }
+
+    /// An argument was refused (by this binding before sending, or by the library's own
+    /// validation): the store is fine and nothing was written. Counts as a healthy answer,
+    /// never as a node failure: one buyer's bad value must not close a shard for everyone
+    /// (issue 23).
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, ScriptError::InvalidArgument(_) | ScriptError::Refused(_))
     }
 
     /// The function may have run: the caller must not assume either outcome (answer
@@ -111,7 +126,9 @@ impl ScriptError {
             ScriptError::FenceShort { .. } => true,
             // An error reply means the function did not run or failed in validation, before
             // any write (the library validates first); nothing was sent for InvalidArgument.
-            ScriptError::Server(_) | ScriptError::InvalidArgument(_) => false,
+            ScriptError::Server(_) | ScriptError::InvalidArgument(_) | ScriptError::Refused(_) => {
+                false
+            }
         }
     }
 }
@@ -944,8 +961,15 @@ fn is_function_not_found(message: &[u8]) -> bool {
     message.windows(NEEDLE.len()).any(|w| w == NEEDLE)
 }
 
+/// The library's validation replies (`bad()` in `lua/seckill.lua`) begin with this.
+const LIBRARY_REFUSAL: &str = "ERR seckill: bad ";
+
 fn server_error(message: &[u8]) -> ScriptError {
-    ScriptError::Server(String::from_utf8_lossy(message).into_owned())
+    let message = String::from_utf8_lossy(message);
+    match message.strip_prefix(LIBRARY_REFUSAL) {
+        Some(what) => ScriptError::Refused(what.to_owned()),
+        None => ScriptError::Server(message.into_owned()),
+    }
 }
 
 /// A string element (Lua strings arrive as bulk strings; status replies as simple strings).
@@ -1459,6 +1483,18 @@ mod tests {
         assert!(ScriptError::UnexpectedReply(String::new()).outcome_unknown());
         assert!(!ScriptError::UnexpectedReply(String::new()).is_transient());
         assert!(!ScriptError::InvalidArgument("x").outcome_unknown());
+    }
+
+    #[test]
+    fn the_librarys_validation_replies_are_refusals_not_failures() {
+        let refused = server_error(b"ERR seckill: bad user_id");
+        assert!(matches!(&refused, ScriptError::Refused(what) if what == "user_id"), "{refused:?}");
+        assert!(refused.is_refusal() && !refused.is_transient() && !refused.outcome_unknown());
+        assert!(ScriptError::InvalidArgument("request_id").is_refusal());
+        for other in ["ERR unknown command 'FCALL'", "READONLY x", "ERR seckill: keys"] {
+            let e = server_error(other.as_bytes());
+            assert!(matches!(e, ScriptError::Server(_)) && !e.is_refusal(), "{other}: {e:?}");
+        }
     }
 
     #[test]

@@ -258,6 +258,9 @@ pub enum ModeError {
     Expired,
     /// The scope already holds this version or a newer one.
     StaleVersion { scope: Scope, current: u64, offered: u64 },
+    /// An operator's snapshot jumps more than `MODE_VERSION_STEP_MAX` above the scope's
+    /// current version (a typo of a few digits would otherwise take every version above it).
+    VersionJump { scope: Scope, current: u64, offered: u64, step_max: u64 },
     /// Leaving QUERY_ONLY (or a recovery in progress) other than through RECOVERING.
     MustRecover { scope: Scope, from: Mode, to: Mode },
     /// RECOVERING raised by more than the configured step (or NORMAL before 100 %).
@@ -276,6 +279,7 @@ impl ModeError {
             ModeError::BadSignature => "BAD_SIGNATURE",
             ModeError::Expired => "EXPIRED",
             ModeError::StaleVersion { .. } => "STALE_VERSION",
+            ModeError::VersionJump { .. } => "VERSION_JUMP",
             ModeError::MustRecover { .. } => "MUST_RECOVER",
             ModeError::StepTooLarge { .. } => "STEP_TOO_LARGE",
             ModeError::TableFull { .. } => "TABLE_FULL",
@@ -293,6 +297,10 @@ impl fmt::Display for ModeError {
             ModeError::StaleVersion { scope, current, offered } => {
                 write!(f, "{scope}: version {offered} is not above the current {current}")
             }
+            ModeError::VersionJump { scope, current, offered, step_max } => write!(
+                f,
+                "{scope}: version {offered} jumps more than {step_max} above the current {current}"
+            ),
             ModeError::MustRecover { scope, from, to } => write!(
                 f,
                 "{scope}: {} -> {} refused; leave QUERY_ONLY through RECOVERING steps",

@@ -92,7 +92,7 @@ impl ModeTable {
             return (
                 scope,
                 Entry::Unverifiable {
-                    version: persisted.version,
+                    version: restorable(persisted.version),
                     recovery_required: persisted.recovery_required,
                 },
             );
@@ -106,7 +106,7 @@ impl ModeTable {
             let recovery_required = persisted.recovery_required || snapshot.mode == Mode::QueryOnly;
             (scope, Entry::Accepted { signed, recovery_required })
         } else {
-            let version = persisted.version.max(snapshot.version);
+            let version = restorable(persisted.version.max(snapshot.version));
             (scope, Entry::Unverifiable { version, recovery_required: persisted.recovery_required })
         }
     }
@@ -122,5 +122,17 @@ impl ModeTable {
             },
         };
         self.entries.insert(scope, merged);
+    }
+}
+
+/// The way out of a scope frozen by a version no snapshot can exceed (one written before
+/// versions were bounded, issue 23): it restores closed (unverifiable, recovery required) at
+/// version 0, so the next snapshot an operator signs — any valid version (through RECOVERING
+/// if the frozen one required it) — reopens it. A scope stays closed until then: never opened by a guess.
+fn restorable(version: u64) -> u64 {
+    if version > flashsale_io::bounds::MODE_VERSION_MAX {
+        0
+    } else {
+        version
     }
 }

@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::logic::key::HmacKey;
+use flashsale_io::bounds::MODE_VERSION_MAX;
 
 // ---------------------------------------------------------------------------------------------
 // Snapshots
@@ -76,6 +77,11 @@ impl ModeSnapshot {
     pub fn validate(&self) -> Result<(), ModeError> {
         if self.version == 0 {
             return Err(ModeError::Malformed("version must be at least 1"));
+        }
+        if self.version > MODE_VERSION_MAX {
+            // 2^53 - 1 (io/src/bounds.rs): a version nobody can ever exceed would freeze its
+            // scope for good (issue 23).
+            return Err(ModeError::Malformed("version over MODE_VERSION_MAX (2^53 - 1)"));
         }
         if self.mode.admit_percent() > 100 {
             return Err(ModeError::Malformed("admit_percent over 100"));

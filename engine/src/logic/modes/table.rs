@@ -2,6 +2,7 @@
 //! ([`ModeTable::apply`]) and the effective mode of a SKU ([`ModeTable::effective`]), as the
 //! `modes` module documentation states them.
 
+use flashsale_io::bounds::MODE_VERSION_STEP_MAX;
 use std::collections::HashMap;
 
 use super::*;
@@ -229,6 +230,24 @@ impl ModeTable {
         self.entries.insert(scope, Entry::Accepted { signed: signed.clone(), recovery_required });
         self.revision += 1;
         Ok(Applied { scope, version: snapshot.version, previous, mode: snapshot.mode })
+    }
+
+    /// The rule for an operator's new snapshot on top of [`ModeTable::apply`]'s: its version is
+    /// at most `MODE_VERSION_STEP_MAX` above the scope's current one (0 for a scope without a
+    /// snapshot). Not applied to snapshots replicated from the mode bucket or the state file:
+    /// those were checked where an operator posted them, and refusing them here would leave
+    /// an instance that lost its state behind the fleet.
+    pub fn check_version_step(&self, snapshot: &ModeSnapshot) -> Result<(), ModeError> {
+        let current = self.entries.get(&snapshot.scope).map_or(0, Entry::version);
+        if snapshot.version > current.saturating_add(MODE_VERSION_STEP_MAX) {
+            return Err(ModeError::VersionJump {
+                scope: snapshot.scope,
+                current,
+                offered: snapshot.version,
+                step_max: MODE_VERSION_STEP_MAX,
+            });
+        }
+        Ok(())
     }
 
     /// The mode a submit for (`activity_id`, `sku_id`) obeys at `now_ms`: the most

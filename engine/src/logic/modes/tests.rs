@@ -556,3 +556,37 @@ proptest! {
         }
     }
 }
+
+/// Issue 23: no version that freezes a scope. `u64::MAX` (or anything above 2^53 - 1) is
+/// malformed; an operator's jump of more than the step is refused; a scope persisted at such
+/// a version before the bound existed restores closed at version 0 and reopens with the next
+/// valid snapshot.
+#[test]
+fn versions_are_bounded_and_a_frozen_scope_has_a_way_out() {
+    let bad = |v| {
+        matches!(sign(&key(), snap(v, Scope::Global, Mode::Normal)), Err(ModeError::Malformed(_)))
+    };
+    assert!(bad(u64::MAX) && bad(flashsale_io::bounds::MODE_VERSION_MAX + 1));
+    assert!(!bad(flashsale_io::bounds::MODE_VERSION_MAX));
+
+    let step = flashsale_io::bounds::MODE_VERSION_STEP_MAX;
+    let mut t = table();
+    let first = snap(step + 1, Scope::Sku(1, 2), Mode::SubmitClosed);
+    assert!(matches!(
+        t.check_version_step(&first),
+        Err(ModeError::VersionJump { current: 0, step_max, .. }) if step_max == step
+    ));
+    assert_eq!(t.check_version_step(&snap(step, Scope::Sku(1, 2), Mode::SubmitClosed)), Ok(()));
+    t.apply(&signed(5, Scope::Sku(1, 2), Mode::SubmitClosed), 2_000).unwrap();
+    assert!(t.check_version_step(&snap(5 + step + 1, Scope::Sku(1, 2), Mode::Normal)).is_err());
+    assert_eq!(t.check_version_step(&snap(5 + step, Scope::Sku(1, 2), Mode::Normal)), Ok(()));
+
+    // A state file written by an older build that accepted u64::MAX.
+    let text = t.to_persisted().replace("\"version\":5", &format!("\"version\":{}", u64::MAX));
+    assert!(text.contains(&u64::MAX.to_string()), "{text}");
+    let mut back = ModeTable::from_persisted(&text, key(), ModeConfig::default()).unwrap();
+    assert_eq!(back.effective(1, 2, 2_000).reason(), "MODE_UNVERIFIABLE", "still closed");
+    assert_eq!(back.version(Scope::Sku(1, 2)), Some(0));
+    back.apply(&signed(1, Scope::Sku(1, 2), Mode::Normal), 2_000).unwrap();
+    assert_eq!(back.effective(1, 2, 2_000).mode, Mode::Normal);
+}
