@@ -319,7 +319,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// The control key and the mode state file (CONTRACT.md section 2).
 fn control_config(
     config: &Config,
-) -> anyhow::Result<flashsale_engine::durable::control::ControlConfig> {
+) -> anyhow::Result<flashsale_engine::durable::modes::ControlConfig> {
     let key = match &config.control_key {
         Some(hex) => Some(
             flashsale_engine::logic::modes::control_key(hex).map_err(|e| anyhow::anyhow!("{e}"))?,
@@ -331,7 +331,7 @@ fn control_config(
             None
         }
     };
-    Ok(flashsale_engine::durable::control::ControlConfig {
+    Ok(flashsale_engine::durable::modes::ControlConfig {
         key,
         state_file: Some(config.mode_state_file.clone()),
         modes: flashsale_engine::logic::modes::ModeConfig::default(),

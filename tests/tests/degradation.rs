@@ -477,7 +477,7 @@ fn admin_cli_signs_and_sets_a_mode_and_shows_it() {
 #[test]
 fn idempotent_retries_are_bounded_by_attempts_and_budget() {
     use flashsale_engine::logic::circuit::RetryPolicy;
-    use flashsale_engine::shard::retry_idempotent;
+    use flashsale_engine::shard::retry::retry_idempotent;
     let policy =
         RetryPolicy { attempts_max: 3, base_delay_ms: 1, delay_max_ms: 5, budget_ms: 1_000 };
     let (flaky, always) = flashsale_tests::glommio(move || async move {

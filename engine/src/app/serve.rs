@@ -223,7 +223,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         submit_in_flight_max: 4_096,
         // The budgets assume a sample at most two polls old (admission.rs, SloBasis).
         health_poll_ms: crate::logic::admission::SloBasis::MEASURED.lag_poll_ms,
-        control: crate::durable::control::ControlConfig::default(),
+        control: crate::durable::modes::ControlConfig::default(),
         // `[engine] instance_id` / FLASHSALE_INSTANCE_ID replaces it (`main`).
         instance_id: crate::logic::ids::InstanceId::from_random(rand::random()),
     }
@@ -353,8 +353,8 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
         shards: sync_senders,
         notices: notice_senders,
     };
-    let modes = Arc::new(crate::durable::control::ModeState::load(&config.edge.control));
-    let health = Arc::new(crate::durable::control::Health::default());
+    let modes = Arc::new(crate::durable::modes::ModeState::load(&config.edge.control));
+    let health = Arc::new(crate::durable::health::Health::default());
     // PostgreSQL answered the durable side's start-up check; the poller keeps this current.
     health.pg_ok_at_ms.store(crate::logic::clock::now_ms(), Ordering::Relaxed);
     let lease = Arc::new(crate::durable::lease::Lease::default());
@@ -496,7 +496,7 @@ fn spawn_shards(
 /// cannot tell an empty backlog from an unknown one and closes submissions), or one failed.
 fn wait_started(
     shared: &EdgeShared,
-    health: &crate::durable::control::Health,
+    health: &crate::durable::health::Health,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -10,10 +10,15 @@
 //! Not here: the order-writer and outbox publisher (`flashsale_pg_worker`, started beside it
 //! unless `--no-worker`).
 
-pub mod control;
+pub mod error;
+pub mod health;
 pub mod lease;
+pub mod modes;
 pub mod notice;
 pub mod sync;
+pub mod wait;
+
+pub use error::DurableError;
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -56,7 +61,7 @@ pub enum DurableRequest {
         reply: oneshot::Sender<Vec<Result<PublishAck, LogError>>>,
     },
     /// Puts a signed mode snapshot of `version` into the replicated mode bucket by
-    /// compare-and-set on the entry's revision ([`control::put_mode`]).
+    /// compare-and-set on the entry's revision ([`modes::put_mode`]).
     PutMode {
         key: String,
         value: String,
@@ -90,25 +95,6 @@ pub type PgJob = Box<
     dyn FnOnce(Pool, Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
         + Send,
 >;
-
-#[derive(Debug, thiserror::Error)]
-pub enum DurableError {
-    #[error("postgres: {0}")]
-    Pg(#[from] PgError),
-    #[error("postgres pool: {0}")]
-    Pool(String),
-    #[error("postgres call timed out")]
-    Timeout,
-    #[error("log: {0}")]
-    Log(#[from] LogError),
-    #[error("mode store: {0}")]
-    ModeStore(String),
-    /// The bucket already holds a snapshot of this scope with version `current` or newer.
-    #[error("mode store holds version {current}, not older than the offered one")]
-    StaleMode { current: u64 },
-    #[error("durable side unavailable (queue full or stopped)")]
-    Unavailable,
-}
 
 /// The shards' end of the crossing. `Send + Clone`: one clone per shard.
 #[derive(Clone)]
@@ -202,8 +188,8 @@ impl DurableHandle {
 /// The control-plane state the durable side keeps current for the shards.
 #[derive(Clone)]
 pub struct Control {
-    pub modes: Arc<crate::durable::control::ModeState>,
-    pub health: Arc<crate::durable::control::Health>,
+    pub modes: Arc<modes::ModeState>,
+    pub health: Arc<health::Health>,
     pub health_poll_ms: u64,
     /// The reconcile lease this instance keeps current (`lease.rs`), and who it is; None:
     /// no periodic reconcile here, no lease sought.
@@ -237,69 +223,7 @@ impl Durable {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("durable-main".into()).spawn(move || {
-            runtime.block_on(async move {
-                match connect(&config).await {
-                    Ok((log, publisher, pool, modes_store)) => {
-                        let _ = ready_tx.send(Ok(()));
-                        let client = log.client().clone();
-                        let stores_log = log.clone();
-                        let watcher = tokio::spawn(crate::durable::control::watch(
-                            modes_store.clone(),
-                            Arc::clone(&control.modes),
-                            stop_rx.clone(),
-                        ));
-                        let poller = tokio::spawn(crate::durable::control::poll_health(
-                            log.clone(),
-                            config.pg_url.clone(),
-                            Arc::clone(&control.health),
-                            Duration::from_millis(control.health_poll_ms.max(1)),
-                            stop_rx.clone(),
-                        ));
-                        let lease_task = control.reconcile_lease.clone().map(|(id, period)| {
-                            tokio::spawn(crate::durable::lease::run(
-                                log.clone(),
-                                crate::durable::lease::RECONCILE_LEASE,
-                                id,
-                                period,
-                                Arc::clone(&control.lease),
-                                stop_rx.clone(),
-                            ))
-                        });
-                        let notice_task = sync.as_ref().map(|targets| {
-                            tokio::spawn(crate::durable::notice::subscribe(
-                                log.client().clone(),
-                                targets.clone(),
-                                stop_rx.clone(),
-                            ))
-                        });
-                        let sync_task = sync.map(|targets| {
-                            tokio::spawn(crate::durable::sync::run(
-                                log,
-                                publisher.clone(),
-                                targets,
-                                stop_rx.clone(),
-                            ))
-                        });
-                        let stores =
-                            Stores { log: stores_log, publisher, pool, modes_store, client };
-                        serve(config, stores, rx, stop_rx).await;
-                        if let Some(task) = sync_task {
-                            let _ = task.await;
-                        }
-                        let _ = watcher.await;
-                        let _ = poller.await;
-                        if let Some(task) = notice_task {
-                            let _ = task.await;
-                        }
-                        if let Some(task) = lease_task {
-                            let _ = task.await;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                    }
-                }
-            });
+            runtime.block_on(run_side(config, sync, control, rx, stop_rx, ready_tx));
         })?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
@@ -332,6 +256,70 @@ impl Drop for Durable {
     fn drop(&mut self) {
         self.stop_and_join();
     }
+}
+
+/// The durable side's life on its runtime: connect (reporting the outcome to `start`), run
+/// its tasks, serve the shards' requests until stopped, then wait for the tasks.
+async fn run_side(
+    config: DurableConfig,
+    sync: Option<crate::durable::sync::SyncTargets>,
+    control: Control,
+    rx: mpsc::Receiver<DurableRequest>,
+    stop_rx: tokio::sync::watch::Receiver<bool>,
+    ready_tx: std::sync::mpsc::Sender<anyhow::Result<()>>,
+) {
+    let (log, publisher, pool, modes_store) = match connect(&config).await {
+        Ok(connected) => connected,
+        Err(e) => {
+            let _ = ready_tx.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready_tx.send(Ok(()));
+    let tasks = spawn_tasks(&config, &log, &publisher, &modes_store, sync, &control, &stop_rx);
+    let client = log.client().clone();
+    let stores = Stores { log, publisher, pool, modes_store, client };
+    serve(config, stores, rx, stop_rx).await;
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
+/// The side's own tasks, each until `stop`: `redis-sync` (when this process has shards), the
+/// mode bucket watcher, the backlog and PostgreSQL poller, the stock-returned notices, the
+/// reconcile lease.
+fn spawn_tasks(
+    config: &DurableConfig,
+    log: &Log,
+    publisher: &Publisher,
+    modes_store: &jetstream::kv::Store,
+    sync: Option<crate::durable::sync::SyncTargets>,
+    control: &Control,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    if let Some(targets) = sync {
+        let notices = notice::subscribe(log.client().clone(), targets.clone(), stop.clone());
+        tasks.push(tokio::spawn(notices));
+        tasks.push(tokio::spawn(sync::run(log.clone(), publisher.clone(), targets, stop.clone())));
+    }
+    let watcher = modes::watch(modes_store.clone(), Arc::clone(&control.modes), stop.clone());
+    tasks.push(tokio::spawn(watcher));
+    let every = Duration::from_millis(control.health_poll_ms.max(1));
+    let poller = health::poll_health(
+        log.clone(),
+        config.pg_url.clone(),
+        Arc::clone(&control.health),
+        every,
+        stop.clone(),
+    );
+    tasks.push(tokio::spawn(poller));
+    if let Some((id, period)) = control.reconcile_lease.clone() {
+        let lease = Arc::clone(&control.lease);
+        let run = lease::run(log.clone(), lease::RECONCILE_LEASE, id, period, lease, stop.clone());
+        tasks.push(tokio::spawn(run));
+    }
+    tasks
 }
 
 async fn connect(
@@ -397,7 +385,7 @@ async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
     let Stores { log, publisher, pool, modes_store, client } = stores;
     match request {
         DurableRequest::PutMode { key, value, version, reply } => {
-            let put = control::put_mode(modes_store, &key, &value, version);
+            let put = modes::put_mode(modes_store, &key, &value, version);
             let put = tokio::time::timeout(timeout, put).await;
             let _ = reply.send(put.unwrap_or(Err(DurableError::Timeout)));
         }

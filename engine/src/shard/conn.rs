@@ -29,8 +29,7 @@
 //! check fails too), connections already open are still answered (with `Connection:
 //! close`), and the shard stops only when `stopping` is set ([`serve_public`]).
 //!
-//! Routing is a small match on (plane, method, path); the handlers live in `submit`,
-//! `orders` and `admin`. Every answer goes through `http::write_response`.
+//! Routing is `routes.rs`; every answer goes through `http::write_response`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
@@ -45,20 +44,15 @@ use bytes::{Buf, BytesMut};
 use futures_lite::{AsyncRead, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
 
-use super::{admin, orders, query, submit, Shard};
+use super::request::{Plane, RequestCtx};
+use super::routes::route;
+use super::state::Shard;
 use crate::http::proxy::{looks_like_proxy_header, parse_proxy_header, ProxyParse, ProxySource};
 use crate::http::{
-    parse_request, progress, write_rejection, write_response, Connection, Method, Parsed, Progress,
-    Request, ResponseHead, Status,
+    parse_request, progress, write_rejection, write_response, Connection, Parsed, Progress,
+    ResponseHead, Status,
 };
 use crate::logic::metrics::ShardMetrics;
-
-/// Which listener a connection came in on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Plane {
-    Public,
-    Admin,
-}
 
 /// The listen backlog of the public listener: the one `glommio::net::TcpListener::bind` uses
 /// for the admin listener too (the start-up check compares it with `somaxconn`).
@@ -102,19 +96,6 @@ thread_local! {
     /// waits. Borrowed only inside a poll, never across an await.
     static READ_SCRATCH: RefCell<Box<[u8]>> =
         RefCell::new(vec![0u8; READ_CHUNK_BYTES].into_boxed_slice());
-}
-
-/// Facts about the connection a handler may need.
-pub struct RequestCtx {
-    /// The client's address: the TCP peer's, or the source a trusted balancer's PROXY header
-    /// carried (IPv4-mapped IPv6 as IPv4). What the per-address limits and logs use.
-    pub peer_ip: Option<IpAddr>,
-    /// Whether that address is loopback.
-    pub peer_is_loopback: bool,
-    pub plane: Plane,
-    /// A connection admitted beyond the admin plane's budget: only the health probes
-    /// (`/livez`, `/readyz`) are answered on it, once, within [`PROBE_DEADLINE_MS`].
-    pub probe_only: bool,
 }
 
 // ---- listening ----------------------------------------------------------------------------
@@ -940,100 +921,6 @@ impl LogEvery {
 }
 
 // ---- routing ------------------------------------------------------------------------------
-
-/// Ready for traffic: the same rule as the admin plane's `/readyz` (every shard listening,
-/// not draining).
-fn is_ready(shard: &Shard) -> bool {
-    let shared = &shard.shared;
-    shared.started.iter().all(|s| s.load(Ordering::Relaxed))
-        && !shared.draining.load(Ordering::Relaxed)
-}
-
-/// Writes the answer into `out`; returns whether the connection stays open.
-async fn route(
-    shard: &Rc<Shard>,
-    request: &Request<'_>,
-    ctx: &RequestCtx,
-    out: &mut BytesMut,
-) -> bool {
-    let keep = request.keep_alive && !(shard.is_draining() && ctx.plane == Plane::Public);
-    let request_id_owned;
-    let request_id = match request.x_request_id {
-        Some(id) if !id.is_empty() && id.len() <= 128 => id,
-        _ => {
-            request_id_owned = shard.next_request_id();
-            request_id_owned.as_str()
-        }
-    };
-    let mut head = ResponseHead::new(Status::Ok, request_id);
-    head.traceparent = request.traceparent;
-    head.connection = if keep { Connection::for_request(request) } else { Connection::Close };
-    // Chunked bodies (rare in this API) are decoded into a buffer of their own; a
-    // Content-Length body is a slice of the input buffer and `chunked` stays unallocated.
-    let mut chunked = Vec::new();
-    let body = request.body.bytes(&mut chunked);
-    if request.method == Method::Head {
-        // No route answers HEAD, and a HEAD response must not carry a body.
-        head.status = Status::MethodNotAllowed;
-        write_response(out, &head, b"");
-        return keep && head.connection != Connection::Close;
-    }
-    if ctx.probe_only {
-        // One answer, then close: the probe slot is back for the next probe at once.
-        head.connection = Connection::Close;
-        if !admin::is_public_health(request) {
-            head.status = Status::ServiceUnavailable;
-            write_response(out, &head, br#"{"state":"SYSTEM_BUSY","reason_code":"ADMIN_BUSY"}"#);
-            return false;
-        }
-    }
-    match ctx.plane {
-        Plane::Public => route_public(shard, request, body, ctx, &mut head, out).await,
-        Plane::Admin => admin::handle(shard, request, body, ctx, &mut head, out).await,
-    }
-    keep && head.connection != Connection::Close
-}
-
-async fn route_public(
-    shard: &Rc<Shard>,
-    request: &Request<'_>,
-    body: &[u8],
-    ctx: &RequestCtx,
-    head: &mut ResponseHead<'_>,
-    out: &mut BytesMut,
-) {
-    let health_path = shard.config().health_path.as_deref();
-    match (request.method, request.path) {
-        (Method::Get, path) if Some(path) == health_path => {
-            let ready = is_ready(shard);
-            head.status = if ready { Status::Ok } else { Status::ServiceUnavailable };
-            let body: &[u8] = if ready { br#"{"ready":true}"# } else { br#"{"ready":false}"# };
-            write_response(out, head, body);
-        }
-        (Method::Post, "/v1/reservations") => {
-            submit::handle_submit(shard, request, body, ctx, head, out).await
-        }
-        (Method::Get, path) if path.starts_with("/v1/reservations/") => {
-            let id = &path["/v1/reservations/".len()..];
-            query::handle_query(shard, request, ctx, id, head, out).await
-        }
-        (_, path) if path.starts_with(orders::ORDERS_PREFIX) => {
-            let rest = &path[orders::ORDERS_PREFIX.len()..];
-            orders::handle_order(shard, request, ctx, rest, head, out).await
-        }
-        (Method::Post, orders::CALLBACK_PATH) => {
-            orders::handle_callback(shard, body, ctx, head, out).await
-        }
-        (_, "/v1/reservations") => {
-            head.status = Status::MethodNotAllowed;
-            write_response(out, head, br#"{"state":"INVALID","reason_code":"METHOD"}"#);
-        }
-        _ => {
-            head.status = Status::NotFound;
-            write_response(out, head, br#"{"state":"INVALID","reason_code":"NO_SUCH_ROUTE"}"#);
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {

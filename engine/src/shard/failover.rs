@@ -26,7 +26,7 @@ use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, PreheatReply};
 use flashsale_pg_worker::edge;
 
-use super::Shard;
+use super::state::Shard;
 use crate::logic::clock::now_ms;
 use crate::logic::failover::FailoverWatch;
 use crate::logic::modes::{Mode, Scope};
@@ -57,7 +57,7 @@ pub fn spawn(shard: &Rc<Shard>) {
 /// local state), so a SKU that lost everything before its first buyer is caught too.
 async fn observe(shard: &Shard, watch: &mut FailoverWatch) {
     let mut tracked = shard.owner.borrow().tracked_skus();
-    if let Ok(active) = shard.functions.active_skus().await {
+    if let Ok(active) = shard.store.functions.active_skus().await {
         let owned = active
             .into_iter()
             .map(|m| SkuKey::new(m.activity_id, m.sku_id))
@@ -68,15 +68,15 @@ async fn observe(shard: &Shard, watch: &mut FailoverWatch) {
     if tracked.is_empty() {
         return;
     }
-    let router = shard.functions.router();
+    let router = shard.store.functions.router();
     let masters = router.masters();
     let mut run_ids = HashMap::with_capacity(masters.len());
     for master in &masters {
-        run_ids.insert(*master, shard.functions.run_id_of(*master).await.ok().flatten());
+        run_ids.insert(*master, shard.store.functions.run_id_of(*master).await.ok().flatten());
     }
     let now = now_ms();
     for key in tracked {
-        let keys = shard.sku_keys(key);
+        let keys = shard.store.sku_keys(key);
         let Some(node) = router.node_of(keys.slot()) else { continue };
         let run_id = run_ids.get(&node).cloned().flatten();
         if watch.observe(key, node, run_id.as_deref(), &masters) {
@@ -111,11 +111,11 @@ async fn recover(shard: &Rc<Shard>) {
             );
             continue;
         }
-        let keys = shard.sku_keys(key);
-        if let Ok(None) = shard.functions.read_meta(&keys).await {
+        let keys = shard.store.sku_keys(key);
+        if let Ok(None) = shard.store.functions.read_meta(&keys).await {
             rebuild(shard, key).await;
         }
-        let report = super::reconcile::reconcile(shard, key).await;
+        let report = super::reconcile::reconcile(&shard.shared, &shard.store, key).await;
         if report.ok {
             shard.owner.borrow_mut().clear_failover(key);
             tracing::warn!(
@@ -169,8 +169,8 @@ async fn rebuild(shard: &Shard, key: SkuKey) {
         reservation_ttl_ms: config.reservation_ttl_ms.max(1) as u64,
         stock: units.max(0) as u64,
     };
-    let keys = shard.sku_keys(key);
-    match shard.functions.preheat(&keys, &args).await {
+    let keys = shard.store.sku_keys(key);
+    match shard.store.functions.preheat(&keys, &args).await {
         Ok(PreheatReply::Applied { .. }) => {
             tracing::warn!(
                 activity_id,
@@ -179,7 +179,7 @@ async fn rebuild(shard: &Shard, key: SkuKey) {
                 "redis failover: SKU rebuilt from PostgreSQL (stock = its sellable units)"
             );
             let member = SkuMember { activity_id: key.activity_id, sku_id: key.sku_id };
-            let _ = shard.functions.add_active_sku(member).await;
+            let _ = shard.store.functions.add_active_sku(member).await;
         }
         Ok(PreheatReply::Stale { .. }) => {}
         Err(e) => tracing::warn!(activity_id, sku_id, error = %e, "redis failover: rebuild failed"),

@@ -18,14 +18,14 @@
 //! What it is not: a hot path (a few calls per order, not per buyer), so answers are built in
 //! a small fresh buffer rather than the shard's reused ones.
 
-use std::rc::Rc;
-
 use bytes::BytesMut;
 use flashsale_pg_worker::payments::{self, CallbackOutcome, PaymentCallback, ReleaseOutcome};
 use serde::Deserialize;
 
-use super::conn::RequestCtx;
-use super::Shard;
+use super::limiters::Limiters;
+use super::request::RequestCtx;
+use super::shared::EdgeShared;
+use super::state::Shard;
 use crate::durable::DurableError;
 use crate::http::json::JsonObject;
 use crate::http::{write_response, Method, Request, ResponseHead, Status};
@@ -48,9 +48,24 @@ const RETRY_AFTER_MS: u64 = 1_000;
 // Routing
 // ---------------------------------------------------------------------------------------------
 
+/// What orders and payment callbacks touch: the limiters and the shared edge state (pass
+/// keys, the payment key, the durable side for PostgreSQL, metrics). No Redis: orders live in
+/// PostgreSQL.
+pub struct OrderDeps<'a> {
+    pub id: usize,
+    pub shared: &'a EdgeShared,
+    pub limiters: &'a Limiters,
+}
+
+impl<'a> OrderDeps<'a> {
+    pub fn of(shard: &'a Shard) -> OrderDeps<'a> {
+        OrderDeps { id: shard.id, shared: &shard.shared, limiters: &shard.limiters }
+    }
+}
+
 /// `…/v1/orders/{rest}`: `{order_id}` (GET) or `{order_id}/cancel` (POST).
 pub async fn handle_order(
-    shard: &Rc<Shard>,
+    deps: &OrderDeps<'_>,
     request: &Request<'_>,
     ctx: &RequestCtx,
     rest: &str,
@@ -62,8 +77,8 @@ pub async fn handle_order(
         None => (rest, false),
     };
     let answer = match (request.method, cancel) {
-        (Method::Get, false) => get_order(shard, request, ctx, order_id).await,
-        (Method::Post, true) => cancel_order(shard, request, ctx, order_id).await,
+        (Method::Get, false) => get_order(deps, request, ctx, order_id).await,
+        (Method::Post, true) => cancel_order(deps, request, ctx, order_id).await,
         _ if valid_id(order_id) => {
             Answer::state(Status::MethodNotAllowed, "INVALID").reason("METHOD")
         }
@@ -74,14 +89,14 @@ pub async fn handle_order(
 
 /// `POST /v1/payments/callback`.
 pub async fn handle_callback(
-    shard: &Rc<Shard>,
+    deps: &OrderDeps<'_>,
     body: &[u8],
     ctx: &RequestCtx,
     head: &mut ResponseHead<'_>,
     out: &mut BytesMut,
 ) {
-    let answer = match shard.check_address(ctx.peer_ip, now_ms()) {
-        Ok(()) => callback(shard, body).await,
+    let answer = match deps.limiters.check_address(ctx.peer_ip, now_ms()) {
+        Ok(()) => callback(deps, body).await,
         Err(retry_ms) => Answer::rate_limited(retry_ms),
     };
     answer.write(head, out);
@@ -190,19 +205,19 @@ impl Answer {
 /// The buyer behind the request: a valid pass for the `activity_id` query parameter, and
 /// the order id well-formed.
 fn authorized(
-    shard: &Rc<Shard>,
+    deps: &OrderDeps<'_>,
     request: &Request<'_>,
     ctx: &RequestCtx,
     order_id: &str,
 ) -> Result<(i64, i64), Answer> {
     let now = now_ms();
-    shard.check_address(ctx.peer_ip, now).map_err(Answer::rate_limited)?;
+    deps.limiters.check_address(ctx.peer_ip, now).map_err(Answer::rate_limited)?;
     if !valid_id(order_id) {
         return Err(Answer::invalid("ORDER_ID_INVALID"));
     }
     let activity = activity_param(request.query.unwrap_or(""))?;
     let auth = request.authorization.ok_or_else(Answer::unauthorized)?;
-    let pass = shard
+    let pass = deps
         .shared
         .pass_keys
         .verify(auth.as_bytes(), now_ms() / 1000)
@@ -210,7 +225,7 @@ fn authorized(
     if !pass.authorizes(activity) {
         return Err(Answer::unauthorized());
     }
-    shard.check_reader(pass.user_id.0, now).map_err(Answer::rate_limited)?;
+    deps.limiters.check_reader(pass.user_id.0, now).map_err(Answer::rate_limited)?;
     // ids are 1..=i64::MAX (ids.rs), so these conversions never saturate.
     let activity_id = i64::try_from(activity.0).unwrap_or(i64::MAX);
     let user_id = i64::try_from(pass.user_id.0).unwrap_or(i64::MAX);
@@ -218,19 +233,18 @@ fn authorized(
 }
 
 async fn get_order(
-    shard: &Rc<Shard>,
+    deps: &OrderDeps<'_>,
     request: &Request<'_>,
     ctx: &RequestCtx,
     order_id: &str,
 ) -> Answer {
-    let (activity_id, user_id) = match authorized(shard, request, ctx, order_id) {
+    let (activity_id, user_id) = match authorized(deps, request, ctx, order_id) {
         Ok(ids) => ids,
         Err(answer) => return answer,
     };
     let id = order_id.to_owned();
     let found =
-        shard
-            .shared
+        deps.shared
             .durable
             .pg(move |client| async move {
                 payments::find_order(&client, &id, activity_id, user_id).await
@@ -263,18 +277,18 @@ async fn get_order(
 }
 
 async fn cancel_order(
-    shard: &Rc<Shard>,
+    deps: &OrderDeps<'_>,
     request: &Request<'_>,
     ctx: &RequestCtx,
     order_id: &str,
 ) -> Answer {
-    let (activity_id, user_id) = match authorized(shard, request, ctx, order_id) {
+    let (activity_id, user_id) = match authorized(deps, request, ctx, order_id) {
         Ok(ids) => ids,
         Err(answer) => return answer,
     };
     let id = order_id.to_owned();
     let now = now_ms();
-    let released = shard
+    let released = deps
         .shared
         .durable
         .pg(move |client| async move {
@@ -371,8 +385,8 @@ fn parse_callback(body: &[u8]) -> Result<ParsedCallback, &'static str> {
     Ok(ParsedCallback { payment_id, order_id, status, amount_cents, signature })
 }
 
-async fn callback(shard: &Rc<Shard>, body: &[u8]) -> Answer {
-    let Some(key) = shard.config().payment_key.as_ref() else {
+async fn callback(deps: &OrderDeps<'_>, body: &[u8]) -> Answer {
+    let Some(key) = deps.shared.config.payment_key.as_ref() else {
         return Answer::state(Status::ServiceUnavailable, "PAYMENTS_DISABLED");
     };
     let parsed = match parse_callback(body) {
@@ -386,16 +400,17 @@ async fn callback(shard: &Rc<Shard>, body: &[u8]) -> Answer {
         amount_cents: parsed.amount_cents,
     };
     if !signed.verify(key, &parsed.signature) {
-        shard.metrics().callback_bad_signature.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut throttle = shard.bad_signature_log.get();
-        if let Some(suppressed) = throttle.allow(now_ms()) {
+        deps.shared
+            .shard_metrics(deps.id)
+            .callback_bad_signature
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(suppressed) = deps.limiters.bad_signature_log(now_ms()) {
             tracing::warn!(
                 payment_id = %parsed.payment_id,
                 suppressed,
                 "payment callback with a bad signature (one line a second at most)"
             );
         }
-        shard.bad_signature_log.set(throttle);
         return Answer::unauthorized().reason("BAD_SIGNATURE");
     }
     let callback = PaymentCallback {
@@ -407,7 +422,7 @@ async fn callback(shard: &Rc<Shard>, body: &[u8]) -> Answer {
     };
     let (payment_id, order_id) = (callback.payment_id.clone(), callback.order_id.clone());
     let now = now_ms();
-    let applied = shard
+    let applied = deps
         .shared
         .durable
         .pg(move |client| async move { payments::apply_callback(&client, &callback, now).await })

@@ -27,6 +27,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use flashsale_io::log::{LogError, PublishAck};
@@ -34,10 +35,14 @@ use flashsale_io::redis::script::{MarkSent, MarkSentArgs, SkuKeys, MARK_SENT_MAX
 use flashsale_io::wire::OrderCreate;
 use futures::channel::oneshot;
 
-use super::Shard;
+use super::config::EdgeConfig;
+use super::retry::retry_idempotent;
+use super::shared::EdgeShared;
+use super::store::Store;
 use crate::durable::DurableRequest;
-use crate::logic::circuit::{Admit, CallOutcome};
+use crate::logic::circuit::{Admit, CallOutcome, Circuit, CircuitState};
 use crate::logic::clock::now_ms;
+use crate::logic::metrics::ShardMetrics;
 use crate::logic::submit::Published;
 
 /// Under which `Nats-Msg-Id` a message goes out.
@@ -63,15 +68,60 @@ const LATE_ACK_WAIT_MS: u64 = 10_000;
 
 type Reply = oneshot::Receiver<Result<PublishAck, LogError>>;
 
+/// One shard's publish path: its log-publish circuit, the messages crossing to the durable
+/// side this poll, the marks still to be made, and what they need (the durable side's
+/// handle, the shard's Redis for `mark_sent`, its metrics).
+pub struct PublishPath {
+    id: usize,
+    shared: Arc<EdgeShared>,
+    store: Rc<Store>,
+    /// Open → new submissions get SUBMIT_CLOSED before anything is reserved (reservations
+    /// already made stay safe: the scanner republishes).
+    circuit: RefCell<Circuit>,
+    outgoing: Outgoing,
+    marks: Marks,
+}
+
+impl PublishPath {
+    pub fn new(id: usize, shared: &Arc<EdgeShared>, store: &Rc<Store>) -> PublishPath {
+        PublishPath {
+            id,
+            shared: Arc::clone(shared),
+            store: Rc::clone(store),
+            circuit: RefCell::new(Circuit::new(shared.config.publish_circuit)),
+            outgoing: Outgoing::default(),
+            marks: Marks::default(),
+        }
+    }
+
+    /// The log-publish circuit now (admission closes submissions while it is open).
+    pub fn circuit_state(&self, now_ms: u64) -> CircuitState {
+        self.circuit.borrow().state(now_ms)
+    }
+
+    /// No mark waiting or being sent (a stopping shard waits for this).
+    pub fn is_idle(&self) -> bool {
+        self.marks.is_idle()
+    }
+
+    fn metrics(&self) -> &ShardMetrics {
+        self.shared.shard_metrics(self.id)
+    }
+
+    fn config(&self) -> &EdgeConfig {
+        &self.shared.config
+    }
+}
+
 /// Publishes `message` (steps 1-3 of the module documentation).
 pub async fn publish_order(
-    shard: &Rc<Shard>,
+    path: &Rc<PublishPath>,
     keys: &Rc<SkuKeys>,
     message: OrderCreate,
     identity: MsgIdentity,
     origin: Origin,
 ) -> Published {
-    let call = match shard.publish_circuit.borrow_mut().allow(now_ms()) {
+    let call = match path.circuit.borrow_mut().allow(now_ms()) {
         Admit::Call(call) => call,
         Admit::Reject { .. } => return Published::NotAcked,
     };
@@ -82,37 +132,37 @@ pub async fn publish_order(
         identity,
         origin,
     };
-    let mut reply = send(shard, message, identity);
-    let wait = Duration::from_millis(shard.config().publish_wait_ms);
+    let mut reply = send(path, message, identity);
+    let wait = Duration::from_millis(path.config().publish_wait_ms);
     match glommio::timer::timeout(wait, async { Ok((&mut reply).await) }).await {
         Ok(Ok(Ok(_ack))) => {
-            shard.metrics().publish_ok.fetch_add(1, Ordering::Relaxed);
-            record(shard, call, CallOutcome::Success);
+            path.metrics().publish_ok.fetch_add(1, Ordering::Relaxed);
+            record(path, call, CallOutcome::Success);
         }
         Ok(_) => {
-            shard.metrics().publish_error.fetch_add(1, Ordering::Relaxed);
-            record(shard, call, CallOutcome::Failure);
+            path.metrics().publish_error.fetch_add(1, Ordering::Relaxed);
+            record(path, call, CallOutcome::Failure);
             return Published::NotAcked;
         }
         Err(_) => {
             // The answer goes out now (QUEUED_PENDING); how the log answers is still worth
             // knowing, for the circuit and to spare the scanner a republish.
-            shard.metrics().publish_timeout.fetch_add(1, Ordering::Relaxed);
-            let (shard, keys) = (Rc::clone(shard), Rc::clone(keys));
-            glommio::spawn_local(async move { late_ack(&shard, &keys, reply, call, mark).await })
+            path.metrics().publish_timeout.fetch_add(1, Ordering::Relaxed);
+            let (path, keys) = (Rc::clone(path), Rc::clone(keys));
+            glommio::spawn_local(async move { late_ack(&path, &keys, reply, call, mark).await })
                 .detach();
             return Published::NotAcked;
         }
     }
     #[cfg(feature = "failpoints")]
     fail::fail_point!("after_publish_ack");
-    acked(shard, keys, mark);
+    acked(path, keys, mark);
     Published::Acked
 }
 
 /// The log's answer to a publish the shard stopped waiting for.
 async fn late_ack(
-    shard: &Rc<Shard>,
+    path: &Rc<PublishPath>,
     keys: &Rc<SkuKeys>,
     reply: Reply,
     call: crate::logic::circuit::Call,
@@ -121,19 +171,19 @@ async fn late_ack(
     let wait = Duration::from_millis(LATE_ACK_WAIT_MS);
     match glommio::timer::timeout(wait, async { Ok(reply.await) }).await {
         Ok(Ok(Ok(_ack))) => {
-            shard.metrics().publish_late_ok.fetch_add(1, Ordering::Relaxed);
-            record(shard, call, CallOutcome::Success);
-            acked(shard, keys, mark);
+            path.metrics().publish_late_ok.fetch_add(1, Ordering::Relaxed);
+            record(path, call, CallOutcome::Success);
+            acked(path, keys, mark);
         }
-        _ => record(shard, call, CallOutcome::Failure),
+        _ => record(path, call, CallOutcome::Failure),
     }
 }
 
-fn record(shard: &Shard, call: crate::logic::circuit::Call, outcome: CallOutcome) {
-    let mut circuit = shard.publish_circuit.borrow_mut();
+fn record(path: &PublishPath, call: crate::logic::circuit::Call, outcome: CallOutcome) {
+    let mut circuit = path.circuit.borrow_mut();
     circuit.record(call, outcome, now_ms());
     let state = u64::from(circuit.state(now_ms()).metric_value());
-    shard.metrics().publish_circuit.store(state, Ordering::Relaxed);
+    path.metrics().publish_circuit.store(state, Ordering::Relaxed);
 }
 
 struct MarkRequest {
@@ -145,44 +195,44 @@ struct MarkRequest {
 }
 
 /// The log has the message: count a republish, queue the reservation's mark.
-fn acked(shard: &Rc<Shard>, keys: &Rc<SkuKeys>, mark: MarkRequest) {
+fn acked(path: &Rc<PublishPath>, keys: &Rc<SkuKeys>, mark: MarkRequest) {
     if mark.origin == Origin::Scanner {
-        shard.metrics().republished.fetch_add(1, Ordering::Relaxed);
+        path.metrics().republished.fetch_add(1, Ordering::Relaxed);
     }
     // A message acknowledged before is already `MESSAGE_SENT` (a mark would answer
     // `NOT_PENDING`).
     if mark.identity == MsgIdentity::Attempt {
         return;
     }
-    shard.marks.queue.borrow_mut().push((Rc::clone(keys), mark));
-    if !shard.marks.flushing.replace(true) {
-        let shard = Rc::clone(shard);
-        glommio::spawn_local(async move { flush_marks(&shard).await }).detach();
+    path.marks.queue.borrow_mut().push((Rc::clone(keys), mark));
+    if !path.marks.flushing.replace(true) {
+        let path = Rc::clone(path);
+        glommio::spawn_local(async move { flush_marks(&path).await }).detach();
     }
 }
 
 /// The acks of one shard whose `mark_sent` is still to be made (step 3 of the module
 /// documentation), and whether a task is sending them.
 #[derive(Default)]
-pub struct Marks {
+struct Marks {
     queue: RefCell<Vec<(Rc<SkuKeys>, MarkRequest)>>,
     flushing: Cell<bool>,
 }
 
 impl Marks {
     /// No mark waiting or being sent.
-    pub fn is_idle(&self) -> bool {
+    fn is_idle(&self) -> bool {
         !self.flushing.get()
     }
 }
 
 /// Sends the queued marks, one call per SKU (at most [`MARK_SENT_MAX`] each), until none is
 /// left. Marks queued while a call is out wait for the next round.
-async fn flush_marks(shard: &Shard) {
+async fn flush_marks(path: &PublishPath) {
     loop {
         // The other acks of this poll of the shard join the batch first.
         futures_lite::future::yield_now().await;
-        let mut batch = std::mem::take(&mut *shard.marks.queue.borrow_mut());
+        let mut batch = std::mem::take(&mut *path.marks.queue.borrow_mut());
         if batch.is_empty() {
             break;
         }
@@ -192,15 +242,15 @@ async fn flush_marks(shard: &Shard) {
                 batch.into_iter().partition(|(k, _)| Rc::ptr_eq(k, &keys));
             batch = rest;
             for chunk in sku.chunks(MARK_SENT_MAX) {
-                mark_sent(shard, &keys, chunk).await;
+                mark_sent(path, &keys, chunk).await;
             }
         }
     }
-    shard.marks.flushing.set(false);
+    path.marks.flushing.set(false);
 }
 
 /// Best effort: the messages are durable either way.
-async fn mark_sent(shard: &Shard, keys: &SkuKeys, chunk: &[(Rc<SkuKeys>, MarkRequest)]) {
+async fn mark_sent(path: &PublishPath, keys: &SkuKeys, chunk: &[(Rc<SkuKeys>, MarkRequest)]) {
     let marks: Vec<MarkSent<'_>> = chunk
         .iter()
         .map(|(_, mark)| MarkSent {
@@ -212,23 +262,23 @@ async fn mark_sent(shard: &Shard, keys: &SkuKeys, chunk: &[(Rc<SkuKeys>, MarkReq
     let args = MarkSentArgs {
         marks: &marks,
         now_ms: now_ms(),
-        order_deadline_ms: shard.config().order_deadline_ms,
+        order_deadline_ms: path.config().order_deadline_ms,
     };
-    let retry = &shard.config().idempotent_retry;
-    let _ = super::retry_idempotent(retry, || shard.functions.mark_sent(keys, &args)).await;
+    let retry = &path.config().idempotent_retry;
+    let _ = retry_idempotent(retry, || path.store.functions.mark_sent(keys, &args)).await;
 }
 
 /// Queues the message for this poll's crossing to the durable side ([`Outgoing`]).
-fn send(shard: &Rc<Shard>, message: OrderCreate, identity: MsgIdentity) -> Reply {
+fn send(path: &Rc<PublishPath>, message: OrderCreate, identity: MsgIdentity) -> Reply {
     let msg_id = match identity {
         MsgIdentity::Original => None,
         MsgIdentity::Attempt => Some(format!("{}-r{}", message.message_id, message.retry_count)),
     };
     let (reply, rx) = oneshot::channel();
-    shard.outgoing.queue.borrow_mut().push(Outbound { message, msg_id, reply });
-    if !shard.outgoing.scheduled.replace(true) {
-        let shard = Rc::clone(shard);
-        glommio::spawn_local(async move { cross(&shard).await }).detach();
+    path.outgoing.queue.borrow_mut().push(Outbound { message, msg_id, reply });
+    if !path.outgoing.scheduled.replace(true) {
+        let path = Rc::clone(path);
+        glommio::spawn_local(async move { cross(&path).await }).detach();
     }
     rx
 }
@@ -237,7 +287,7 @@ fn send(shard: &Rc<Shard>, message: OrderCreate, identity: MsgIdentity) -> Reply
 /// durable side as one request and their acks come back as one answer, two wake-ups across
 /// the thread boundary per batch instead of two per message.
 #[derive(Default)]
-pub struct Outgoing {
+struct Outgoing {
     queue: RefCell<Vec<Outbound>>,
     scheduled: Cell<bool>,
 }
@@ -253,11 +303,11 @@ const PUBLISH_BATCH_MAX: usize = 128;
 
 /// Hands what this poll queued to the durable side and each ack to its publisher. A full
 /// queue or a stopped durable side drops the replies: each publisher sees "not sent".
-async fn cross(shard: &Shard) {
+async fn cross(path: &PublishPath) {
     // The other publishes of this poll join the batch first.
     futures_lite::future::yield_now().await;
-    shard.outgoing.scheduled.set(false);
-    let mut queued = std::mem::take(&mut *shard.outgoing.queue.borrow_mut());
+    path.outgoing.scheduled.set(false);
+    let mut queued = std::mem::take(&mut *path.outgoing.queue.borrow_mut());
     let mut answers = Vec::new();
     while !queued.is_empty() {
         let rest = queued.split_off(queued.len().min(PUBLISH_BATCH_MAX));
@@ -265,7 +315,7 @@ async fn cross(shard: &Shard) {
             queued.into_iter().map(|o| ((o.message, o.msg_id), o.reply)).unzip();
         queued = rest;
         let (tx, rx) = oneshot::channel();
-        if shard.shared.durable.try_send(DurableRequest::Publish { messages, reply: tx }).is_ok() {
+        if path.shared.durable.try_send(DurableRequest::Publish { messages, reply: tx }).is_ok() {
             answers.push(async move {
                 if let Ok(acks) = rx.await {
                     for (reply, ack) in replies.into_iter().zip(acks) {

@@ -5,16 +5,19 @@
 //!
 //! Not here: the submit flow ([`super::submit`]).
 
-use std::rc::Rc;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use flashsale_io::redis::layout::RequestRecord;
 use flashsale_pg_worker::edge::{self, ReservationRecord};
 
-use super::conn::RequestCtx;
-use super::submit::write_state;
-use super::Shard;
+use super::limiters::Limiters;
+use super::reply::write_state;
+use super::request::RequestCtx;
+use super::retry::retry_idempotent;
+use super::shared::EdgeShared;
+use super::state::Shard;
+use super::store::Store;
 use crate::durable::DurableError;
 use crate::http::{Request, ResponseHead, StateBody, Status};
 use crate::logic::api;
@@ -22,16 +25,36 @@ use crate::logic::clock::now_ms;
 use crate::logic::outcome::QueryOutcome;
 use crate::logic::router::SkuKey;
 
+/// What a query touches: the limiters, this shard's Redis, the durable side (the PostgreSQL
+/// fallback) and the shared edge state (pass keys, configuration, metrics).
+pub struct QueryDeps<'a> {
+    pub id: usize,
+    pub shared: &'a EdgeShared,
+    pub limiters: &'a Limiters,
+    pub store: &'a Store,
+}
+
+impl<'a> QueryDeps<'a> {
+    pub fn of(shard: &'a Shard) -> QueryDeps<'a> {
+        QueryDeps {
+            id: shard.id,
+            shared: &shard.shared,
+            limiters: &shard.limiters,
+            store: &shard.store,
+        }
+    }
+}
+
 pub async fn handle_query(
-    shard: &Rc<Shard>,
+    deps: &QueryDeps<'_>,
     request: &Request<'_>,
     ctx: &RequestCtx,
     path_id: &str,
     head: &mut ResponseHead<'_>,
     out: &mut BytesMut,
 ) {
-    let (outcome, answer) = query(shard, request, ctx, path_id).await;
-    shard.metrics().count_query(outcome);
+    let (outcome, answer) = query(deps, request, ctx, path_id).await;
+    deps.shared.shard_metrics(deps.id).count_query(outcome);
     let (code, state) = outcome.http();
     head.status = Status::from_code(code).unwrap_or(Status::InternalServerError);
     head.retry_after_ms = answer.retry_after_ms;
@@ -73,20 +96,20 @@ enum RedisSays {
 }
 
 async fn query(
-    shard: &Rc<Shard>,
+    deps: &QueryDeps<'_>,
     request: &Request<'_>,
     ctx: &RequestCtx,
     path_id: &str,
 ) -> (QueryOutcome, QueryAnswer) {
-    let asked = match authorize(shard, request, ctx, path_id) {
+    let asked = match authorize(deps, request, ctx, path_id) {
         Ok(asked) => asked,
         Err(refused) => return refused,
     };
-    let redis_says = read_redis(shard, &asked).await;
+    let redis_says = read_redis(deps, &asked).await;
     if let RedisSays::Found(record) = redis_says {
         return from_redis(record, asked);
     }
-    match read_postgres(shard, &asked).await {
+    match read_postgres(deps, &asked).await {
         Ok(Some(record)) => from_postgres(record, asked.request_id),
         // Both stores answered and neither knows it.
         Ok(None) if matches!(redis_says, RedisSays::Miss) => (
@@ -104,7 +127,7 @@ async fn query(
 /// The address limit, the pass, the user's read limit, the path and the query string; the
 /// user comes from the pass only.
 fn authorize(
-    shard: &Shard,
+    deps: &QueryDeps<'_>,
     request: &Request<'_>,
     ctx: &RequestCtx,
     path_id: &str,
@@ -114,12 +137,12 @@ fn authorize(
         let answer = QueryAnswer { retry_after_ms: Some(retry_ms), ..QueryAnswer::default() };
         (QueryOutcome::RateLimited, answer)
     };
-    shard.check_address(ctx.peer_ip, now).map_err(limited)?;
+    deps.limiters.check_address(ctx.peer_ip, now).map_err(limited)?;
     let unauthorized = || (QueryOutcome::Unauthorized, QueryAnswer::default());
     let auth = request.authorization.ok_or_else(unauthorized)?;
-    let verified = shard.shared.pass_keys.verify(auth.as_bytes(), now / 1000);
+    let verified = deps.shared.pass_keys.verify(auth.as_bytes(), now / 1000);
     let pass = verified.map_err(|_| unauthorized())?;
-    shard.check_reader(pass.user_id.0, now).map_err(limited)?;
+    deps.limiters.check_reader(pass.user_id.0, now).map_err(limited)?;
     let q = api::parse_query(path_id, request.query.unwrap_or("")).map_err(|invalid| {
         let answer = QueryAnswer {
             reason_code: Some(invalid.reason_code().to_owned()),
@@ -137,11 +160,11 @@ fn authorize(
     })
 }
 
-async fn read_redis(shard: &Shard, asked: &Asked) -> RedisSays {
-    let keys = shard.sku_keys(asked.key);
-    let retry = &shard.config().idempotent_retry;
-    let read = super::retry_idempotent(retry, || {
-        shard.functions.read_request(&keys, asked.user_id, &asked.request_id)
+async fn read_redis(deps: &QueryDeps<'_>, asked: &Asked) -> RedisSays {
+    let keys = deps.store.sku_keys(asked.key);
+    let retry = &deps.shared.config.idempotent_retry;
+    let read = retry_idempotent(retry, || {
+        deps.store.functions.read_request(&keys, asked.user_id, &asked.request_id)
     })
     .await;
     match read {
@@ -171,13 +194,13 @@ fn from_redis(record: RequestRecord, asked: Asked) -> (QueryOutcome, QueryAnswer
 
 /// The PostgreSQL fallback, bounded by `query_fallback_wait_ms`.
 async fn read_postgres(
-    shard: &Shard,
+    deps: &QueryDeps<'_>,
     asked: &Asked,
 ) -> Result<Option<ReservationRecord>, DurableError> {
-    let wait = Duration::from_millis(shard.config().query_fallback_wait_ms);
+    let wait = Duration::from_millis(deps.shared.config.query_fallback_wait_ms);
     let (activity_id, sku_id) = (asked.key.activity_id as i64, asked.key.sku_id as i64);
     let (user_id, request_id) = (asked.user_id as i64, asked.request_id.clone());
-    let lookup = shard.shared.durable.pg(move |client| async move {
+    let lookup = deps.shared.durable.pg(move |client| async move {
         edge::find_reservation(&client, activity_id, sku_id, user_id, &request_id).await
     });
     match glommio::timer::timeout(wait, async { Ok(lookup.await) }).await {

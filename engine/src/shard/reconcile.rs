@@ -22,7 +22,9 @@ use flashsale_pg_worker::reconcile::{
     reconcile_postgres, reservation_statuses, PgReconcileLimits, PgReservation,
 };
 
-use super::Shard;
+use super::shared::EdgeShared;
+use super::state::Shard;
+use super::store::Store;
 use crate::http::Status;
 use crate::logic::clock::now_ms;
 use crate::logic::reconcile::{
@@ -190,12 +192,12 @@ impl Drop for Running {
 
 /// Makes the report of one SKU (PostgreSQL, then Redis, then the re-read; see the module
 /// documentation). Never fails: a store that cannot be read is a problem in the report.
-pub async fn reconcile(shard: &Rc<Shard>, key: SkuKey) -> Report {
+pub async fn reconcile(shared: &EdgeShared, store: &Store, key: SkuKey) -> Report {
     let started = Instant::now();
-    let config = shard.config().reconcile;
+    let config = shared.config.reconcile;
     let params = JudgeParams {
         now_ms: now_ms(),
-        recovery_deadline_ms: shard.config().scanner.recovery_deadline_ms,
+        recovery_deadline_ms: shared.config.scanner.recovery_deadline_ms,
         ids_listed_max: config.ids_listed_max,
     };
     let pg_timeout = Duration::from_millis(config.pg_timeout_ms);
@@ -207,8 +209,7 @@ pub async fn reconcile(shard: &Rc<Shard>, key: SkuKey) -> Report {
                 reservations_max: config.records_max,
                 statement_timeout_ms: config.pg_timeout_ms,
             };
-            shard
-                .shared
+            shared
                 .durable
                 .pg_within(pg_timeout, move |mut client| async move {
                     reconcile_postgres(&mut client, activity_id, sku_id, limits).await
@@ -218,8 +219,8 @@ pub async fn reconcile(shard: &Rc<Shard>, key: SkuKey) -> Report {
         }
         _ => Err("activity or sku id beyond PostgreSQL's bigint".to_owned()),
     };
-    let keys = shard.sku_keys(key);
-    let redis = read_redis(&shard.functions, &keys, &config).await;
+    let keys = store.sku_keys(key);
+    let redis = read_redis(&store.functions, &keys, &config).await;
     let mut rechecked = Vec::new();
     if let (Ok(pg_read), Ok(redis_read)) = (&pg, &redis) {
         let by_id: HashMap<&str, &PgReservation> =
@@ -227,8 +228,7 @@ pub async fn reconcile(shard: &Rc<Shard>, key: SkuKey) -> Report {
         let mut ids = cross_check_ids(&by_id, redis_read, &params, pg_read.release_returns_stock);
         ids.truncate(config.recheck_max);
         if !ids.is_empty() {
-            let read = shard
-                .shared
+            let read = shared
                 .durable
                 .pg_within(pg_timeout, move |client| async move {
                     reservation_statuses(&client, &ids).await
@@ -248,14 +248,14 @@ pub async fn reconcile(shard: &Rc<Shard>, key: SkuKey) -> Report {
 /// `GET /admin/v1/activities/{a}/skus/{s}/reconcile`: 200 with the report (`ok` says the
 /// verdict), 404 with the report when PostgreSQL does not know the SKU, 503 when
 /// `concurrent_max` reports are already running.
-pub async fn admin_reply(shard: &Rc<Shard>, key: SkuKey) -> (Status, String) {
-    let Some(_running) = Running::enter(Some(shard.config().reconcile.concurrent_max)) else {
+pub async fn admin_reply(shared: &EdgeShared, store: &Store, key: SkuKey) -> (Status, String) {
+    let Some(_running) = Running::enter(Some(shared.config.reconcile.concurrent_max)) else {
         return (
             Status::ServiceUnavailable,
             r#"{"state":"SYSTEM_BUSY","reason_code":"RECONCILE_BUSY"}"#.to_owned(),
         );
     };
-    let report = reconcile(shard, key).await;
+    let report = reconcile(shared, store, key).await;
     let unknown = report.postgres.as_ref().is_some_and(|p| !p.invariants.sku_found);
     match serde_json::to_string(&report) {
         Ok(body) if unknown => (Status::NotFound, body),
@@ -297,7 +297,7 @@ pub fn spawn(shard: &Rc<Shard>) {
 
 async fn round(shard: &Rc<Shard>, config: &ReconcileConfig) {
     let Some(_running) = Running::enter(None) else { return };
-    let Ok(members) = shard.functions.active_skus().await else {
+    let Ok(members) = shard.store.functions.active_skus().await else {
         tracing::warn!("reconcile: cannot read the active SKUs; round skipped");
         return;
     };
@@ -318,7 +318,7 @@ async fn round(shard: &Rc<Shard>, config: &ReconcileConfig) {
         if shard.shared.stopping.load(Ordering::Relaxed) {
             return;
         }
-        let report = reconcile(shard, key).await;
+        let report = reconcile(&shard.shared, &shard.store, key).await;
         for (total, value) in totals.iter_mut().zip(report.deltas.values()) {
             *total = total.saturating_add(value);
         }

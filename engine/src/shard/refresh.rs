@@ -20,7 +20,7 @@ use std::time::Duration;
 use crate::logic::clock::now_ms;
 use crate::logic::partition::ActivitySnapshot;
 
-use super::Shard;
+use super::state::Shard;
 
 /// How often the owner re-reads each tracked SKU's `meta`.
 const ACTIVITY_REFRESH_MS: u64 = 1_000;
@@ -50,9 +50,9 @@ pub fn spawn(shard: &Rc<Shard>) {
 async fn refresh_activities(shard: &Shard) {
     let tracked = shard.owner.borrow().tracked_skus();
     for key in tracked {
-        let keys = shard.sku_keys(key);
+        let keys = shard.store.sku_keys(key);
         // No meta (yet) or a failed read: Redis answers per request meanwhile.
-        let Ok(Some(meta)) = shard.functions.read_meta(&keys).await else { continue };
+        let Ok(Some(meta)) = shard.store.functions.read_meta(&keys).await else { continue };
         let snapshot = ActivitySnapshot {
             status: meta.status,
             start_ms: meta.start_ms,
@@ -74,12 +74,12 @@ pub fn spawn_notices(
             if !shard.owner.borrow_mut().is_sold_out(key) {
                 continue;
             }
-            let keys = shard.sku_keys(key);
-            let Ok(stock) = shard.functions.read_stock(&keys).await else { continue };
+            let keys = shard.store.sku_keys(key);
+            let Ok(stock) = shard.store.functions.read_stock(&keys).await else { continue };
             let update =
                 shard.owner.borrow_mut().on_stock_observed(key, stock.unwrap_or(0), now_ms());
             if let Some(update) = update {
-                shard.broadcast(update);
+                shard.mesh.broadcast(update);
             }
         }
     })
@@ -91,12 +91,12 @@ pub fn spawn_notices(
 async fn recheck_stock(shard: &Rc<Shard>) {
     let due = shard.owner.borrow().stock_checks_due(now_ms());
     for key in due {
-        let keys = shard.sku_keys(key);
-        let Ok(stock) = shard.functions.read_stock(&keys).await else { continue };
+        let keys = shard.store.sku_keys(key);
+        let Ok(stock) = shard.store.functions.read_stock(&keys).await else { continue };
         let update = shard.owner.borrow_mut().on_stock_observed(key, stock.unwrap_or(0), now_ms());
         match update {
-            Some(update) => shard.broadcast(update),
-            None => super::replays::ensure_loaded(shard, key),
+            Some(update) => shard.mesh.broadcast(update),
+            None => super::replays::ensure_loaded(&shard.owner, &shard.store, &shard.mesh, key),
         }
     }
 }

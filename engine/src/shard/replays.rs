@@ -11,14 +11,17 @@
 //! partition's `accepted_max` (a SKU with more records than that never completes and keeps
 //! sending unknown ids to Redis: slower, still correct).
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use flashsale_io::redis::script::{RequestState, ScriptError, SkuKeys};
 
-use super::Shard;
+use super::mesh::Mesh;
+use super::store::Store;
 use crate::logic::partition::{Accepted, AcceptedState};
 use crate::logic::router::SkuKey;
+use crate::logic::submit::OwnerState;
 
 /// Records read at once (pipelined on the owner's Redis connection, far below its in-flight
 /// bound so buyers keep their share).
@@ -29,15 +32,20 @@ const SCAN_COUNT: u32 = 5_000;
 
 /// Starts the load of `key`'s request records when one is due (sold out, map incomplete, no
 /// load running).
-pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
-    if !shard.owner.borrow_mut().replay_load_due(key) {
+pub fn ensure_loaded(
+    owner: &Rc<RefCell<OwnerState>>,
+    store: &Rc<Store>,
+    mesh: &Rc<Mesh>,
+    key: SkuKey,
+) {
+    if !owner.borrow_mut().replay_load_due(key) {
         return;
     }
-    let shard = Rc::clone(shard);
+    let (owner, store, mesh) = (Rc::clone(owner), Rc::clone(store), Rc::clone(mesh));
     glommio::spawn_local(async move {
         let started = std::time::Instant::now();
-        let keys = shard.sku_keys(key);
-        let loaded = match load(&shard, key, &keys).await {
+        let keys = store.sku_keys(key);
+        let loaded = match load(&owner, &store, key, &keys).await {
             Ok(loaded) => Some(loaded),
             Err(e) => {
                 tracing::warn!(activity_id = key.activity_id, sku_id = key.sku_id, error = %e,
@@ -46,7 +54,7 @@ pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
             }
         };
         let count = loaded.as_ref().map_or(0, Vec::len);
-        let update = shard.owner.borrow_mut().on_replays_loaded(key, loaded);
+        let update = owner.borrow_mut().on_replays_loaded(key, loaded);
         if let Some(update) = update {
             tracing::info!(
                 activity_id = key.activity_id,
@@ -55,7 +63,7 @@ pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
                 took_ms = started.elapsed().as_millis() as u64,
                 "replays after sell-out loaded (count: other instances' acceptances)"
             );
-            shard.broadcast(update);
+            mesh.broadcast(update);
         }
     })
     .detach();
@@ -63,14 +71,15 @@ pub fn ensure_loaded(shard: &Rc<Shard>, key: SkuKey) {
 
 /// Every request record of the SKU as (buyer, accepted entry).
 async fn load(
-    shard: &Shard,
+    owner: &RefCell<OwnerState>,
+    store: &Store,
     key: SkuKey,
     keys: &SkuKeys,
 ) -> Result<Vec<(u64, Accepted)>, ScriptError> {
     let mut names = Vec::new();
     let mut cursor = 0u64;
     loop {
-        let page = shard.functions.scan_sku_keys(keys, cursor, SCAN_COUNT).await?;
+        let page = store.functions.scan_sku_keys(keys, cursor, SCAN_COUNT).await?;
         names.extend(page.request_records);
         cursor = page.next_cursor;
         if cursor == 0 {
@@ -80,7 +89,7 @@ async fn load(
     // `req:` suffixes are `{user_id}:{request_id}` (request ids are scoped per buyer); the
     // ones this instance accepted itself are in its map already.
     let requests: Vec<(u64, String)> = {
-        let owner = shard.owner.borrow();
+        let owner = owner.borrow();
         names
             .iter()
             .filter_map(|n| n.split_once(':'))
@@ -92,7 +101,7 @@ async fn load(
     let mut out = Vec::with_capacity(requests.len());
     for batch in requests.chunks(LOAD_BATCH) {
         let reads = batch.iter().map(|(user, request)| async move {
-            let record = shard.functions.read_replay(keys, *user, request).await?;
+            let record = store.functions.read_replay(keys, *user, request).await?;
             Ok::<_, ScriptError>(record.map(|r| (*user, accepted(request, r))))
         });
         for read in futures::future::join_all(reads).await {
@@ -108,7 +117,16 @@ fn accepted(request_id: &str, r: flashsale_io::redis::layout::ReplayRecord) -> A
         reservation_id: Arc::from(r.reservation_id.as_str()),
         message_id: Arc::from(r.message_id.as_str()),
         payload_hash: Arc::from(r.payload_hash.as_str()),
-        state: RequestState::parse(&r.state)
-            .map_or(AcceptedState::Queued, super::submit::first_answer),
+        state: RequestState::parse(&r.state).map_or(AcceptedState::Queued, first_answer),
+    }
+}
+
+/// The first answer a request got, from its state in Redis now: `QUEUED_PENDING` stays, any
+/// later state means the first answer was `QUEUED` (replays of `IDEMPOTENT` in the submit
+/// flow, and the records loaded here).
+pub fn first_answer(state: RequestState) -> AcceptedState {
+    match state {
+        RequestState::QueuedPending => AcceptedState::QueuedPending,
+        _ => AcceptedState::Queued,
     }
 }

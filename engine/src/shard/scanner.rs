@@ -22,39 +22,11 @@ use flashsale_io::redis::script::{ClaimDueArgs, PendingEntry, PendingStatus};
 use flashsale_io::wire::{OrderCreate, ReservationFacts};
 
 use super::publish::{publish_order, MsgIdentity, Origin};
-use super::Shard;
+use super::state::Shard;
 use crate::logic::clock::now_ms;
 use crate::logic::router::SkuKey;
 
-/// Scanner settings.
-#[derive(Debug, Clone, Copy)]
-pub struct ScannerConfig {
-    /// Pause between sweeps of a shard's SKUs.
-    pub interval_ms: u64,
-    /// Entries claimed per `claim_due` call (≤ 512, the function's bound).
-    pub batch_max: u32,
-    pub backoff_base_ms: u64,
-    pub backoff_max_ms: u64,
-    /// A reservation older than this goes to `stuck` instead of being republished.
-    pub recovery_deadline_ms: u64,
-    /// How often the set of active SKUs is re-read.
-    pub sku_refresh_ms: u64,
-}
-
-impl Default for ScannerConfig {
-    fn default() -> ScannerConfig {
-        ScannerConfig {
-            interval_ms: 500,
-            batch_max: 128,
-            backoff_base_ms: 1_000,
-            backoff_max_ms: 30_000,
-            // Reservation TTL (5 min) + the 10 min JetStream dedup window: beyond that a
-            // republish could no longer be deduplicated by the log, only by the inbox.
-            recovery_deadline_ms: 15 * 60 * 1000,
-            sku_refresh_ms: 2_000,
-        }
-    }
-}
+pub use super::config::ScannerConfig;
 
 pub fn spawn(shard: &Rc<Shard>, config: ScannerConfig) {
     let shard = Rc::clone(shard);
@@ -80,7 +52,7 @@ pub fn spawn(shard: &Rc<Shard>, config: ScannerConfig) {
 }
 
 async fn read_owned_skus(shard: &Shard) -> Option<Vec<SkuKey>> {
-    let members = shard.functions.active_skus().await.ok()?;
+    let members = shard.store.functions.active_skus().await.ok()?;
     let owned = members
         .into_iter()
         .map(|m| SkuKey::new(m.activity_id, m.sku_id))
@@ -95,8 +67,8 @@ async fn sample_pending(shard: &Shard, owned: &[SkuKey], now: u64) {
     let mut pending = 0u64;
     let mut oldest_ms = 0u64;
     for key in owned {
-        let keys = shard.sku_keys(*key);
-        let Ok(sample) = shard.functions.sample_pending(&keys).await else { return };
+        let keys = shard.store.sku_keys(*key);
+        let Ok(sample) = shard.store.functions.sample_pending(&keys).await else { return };
         pending += sample.pending;
         if let Some(at) = sample.most_overdue_reserved_at_ms {
             oldest_ms = oldest_ms.max(now.saturating_sub(at));
@@ -113,7 +85,7 @@ async fn sweep(shard: &Rc<Shard>, key: SkuKey, config: &ScannerConfig) {
     // nothing, so the drills must see the buyers it would have saved go unanswered.
     #[cfg(feature = "failpoints")]
     fail::fail_point!("negctl.scanner_off", |_| ());
-    let keys = shard.sku_keys(key);
+    let keys = shard.store.sku_keys(key);
     // At most a few batches per sweep so one SKU cannot starve the others.
     for _ in 0..4 {
         let args = ClaimDueArgs {
@@ -123,7 +95,7 @@ async fn sweep(shard: &Rc<Shard>, key: SkuKey, config: &ScannerConfig) {
             backoff_max_ms: config.backoff_max_ms,
             recovery_deadline_ms: config.recovery_deadline_ms,
         };
-        let reply = match shard.functions.claim_due(&keys, &args).await {
+        let reply = match shard.store.functions.claim_due(&keys, &args).await {
             Ok(reply) => reply,
             Err(e) => {
                 tracing::warn!(error = %e, activity_id = key.activity_id, sku_id = key.sku_id, "scanner: claim_due failed");
@@ -145,7 +117,7 @@ async fn sweep(shard: &Rc<Shard>, key: SkuKey, config: &ScannerConfig) {
             };
             let keys = &keys;
             async move {
-                publish_order(shard, keys, message, identity, Origin::Scanner).await;
+                publish_order(&shard.publish, keys, message, identity, Origin::Scanner).await;
             }
         });
         futures::future::join_all(publishes).await;

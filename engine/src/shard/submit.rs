@@ -10,47 +10,81 @@
 //!
 //! Not here: the query flow ([`super::query`]), the decisions (`logic::submit`).
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bytes::BytesMut;
-use flashsale_io::redis::script::{RequestState, ReserveArgs, ReserveReply, ScriptError};
+use flashsale_io::redis::script::{ReserveArgs, ReserveReply, ScriptError};
 use futures::channel::oneshot;
 
-use super::conn::RequestCtx;
-use super::publish::{publish_order, MsgIdentity, Origin};
-use super::Shard;
-use crate::http::{write_response, Request, ResponseHead, StateBody, Status};
-use crate::logic::api::{self, PayloadHash};
+use super::limiters::Limiters;
+use super::mesh::{ForwardedSubmit, Mesh};
+use super::publish::{publish_order, MsgIdentity, Origin, PublishPath};
+use super::replays::{ensure_loaded, first_answer};
+use super::reply::write_state;
+use super::request::RequestCtx;
+use super::shared::EdgeShared;
+use super::state::Shard;
+use super::store::Store;
+use crate::durable::modes::ShardModes;
+use crate::http::{Request, ResponseHead, StateBody, Status};
+use crate::logic::api;
 use crate::logic::clock::now_ms;
 use crate::logic::ids::UserId;
 use crate::logic::limiter;
+use crate::logic::metrics::ShardMetrics;
 use crate::logic::outcome::SubmitOutcome;
-use crate::logic::partition::{AcceptedState, FastPath};
+use crate::logic::partition::FastPath;
 use crate::logic::router::SkuKey;
-use crate::logic::submit::{Begin, Outside, ReserveResult, SubmitAnswer, SubmitRequest};
+use crate::logic::submit::{
+    Begin, Outside, OwnerState, ReserveResult, SubmitAnswer, SubmitRequest,
+};
 
-/// A submit on its way to the owner shard: owned, `Send`.
-pub struct ForwardedSubmit {
-    pub key: SkuKey,
-    pub request_id: Box<str>,
-    pub user_id: u64,
-    pub payload_hash: PayloadHash,
-    pub traceparent: Option<Box<str>>,
-    pub reply: oneshot::Sender<SubmitAnswer>,
+/// What a submission touches (issue 22: a handler says what it uses): the limiters, the
+/// replicas and the mesh, as owner the owner state, Redis and the publish path, the modes,
+/// and the shared edge state (pass keys, partition table, health, configuration, metrics).
+pub struct SubmitDeps<'a> {
+    pub id: usize,
+    pub shared: &'a EdgeShared,
+    pub limiters: &'a Limiters,
+    pub mesh: &'a Rc<Mesh>,
+    pub owner: &'a Rc<RefCell<OwnerState>>,
+    pub store: &'a Rc<Store>,
+    pub modes: &'a RefCell<ShardModes>,
+    pub publish: &'a Rc<PublishPath>,
+}
+
+impl<'a> SubmitDeps<'a> {
+    pub fn of(shard: &'a Shard) -> SubmitDeps<'a> {
+        SubmitDeps {
+            id: shard.id,
+            shared: &shard.shared,
+            limiters: &shard.limiters,
+            mesh: &shard.mesh,
+            owner: &shard.owner,
+            store: &shard.store,
+            modes: &shard.modes,
+            publish: &shard.publish,
+        }
+    }
+
+    fn metrics(&self) -> &ShardMetrics {
+        self.shared.shard_metrics(self.id)
+    }
 }
 
 pub async fn handle_submit(
-    shard: &Rc<Shard>,
+    deps: &SubmitDeps<'_>,
     request: &Request<'_>,
     body: &[u8],
     ctx: &RequestCtx,
     head: &mut ResponseHead<'_>,
     out: &mut BytesMut,
 ) {
-    let (answer, request_id) = submit(shard, request, body, ctx).await;
-    shard.metrics().count_submit(answer.outcome);
+    let (answer, request_id) = submit(deps, request, body, ctx).await;
+    deps.metrics().count_submit(answer.outcome);
     let (code, state) = answer.outcome.http();
     head.status = Status::from_code(code).unwrap_or(Status::InternalServerError);
     head.retry_after_ms = answer.retry_after_ms;
@@ -66,39 +100,22 @@ pub async fn handle_submit(
     write_state(out, head, &body);
 }
 
-thread_local! {
-    /// This shard's JSON scratch (one thread per shard): an answer's body is built here and
-    /// then written after its head, so no answer allocates once the buffer has grown.
-    static JSON_SCRATCH: std::cell::RefCell<BytesMut> =
-        std::cell::RefCell::new(BytesMut::with_capacity(512));
-}
-
-/// Writes a state answer (head + flat JSON body) into the connection's buffer.
-pub(super) fn write_state(out: &mut BytesMut, head: &ResponseHead<'_>, body: &StateBody<'_>) {
-    JSON_SCRATCH.with(|cell| {
-        let mut json = cell.borrow_mut();
-        json.clear();
-        body.write_json(&mut json);
-        write_response(out, head, &json);
-    });
-}
-
 /// The submit flow up to the answer; also returns the body's request id (borrowed) for the
 /// response.
 async fn submit<'b>(
-    shard: &Rc<Shard>,
+    deps: &SubmitDeps<'_>,
     request: &Request<'_>,
     body: &'b [u8],
     ctx: &RequestCtx,
 ) -> (SubmitAnswer, Option<&'b str>) {
     let now = now_ms();
-    if let Err(retry_ms) = shard.check_address(ctx.peer_ip, now) {
+    if let Err(retry_ms) = deps.limiters.check_address(ctx.peer_ip, now) {
         return (SubmitAnswer::retry(SubmitOutcome::RateLimited, retry_ms), None);
     }
     let Some(auth) = request.authorization else {
         return (SubmitAnswer::of(SubmitOutcome::Unauthorized), None);
     };
-    let pass = match shard.shared.pass_keys.verify(auth.as_bytes(), now / 1000) {
+    let pass = match deps.shared.pass_keys.verify(auth.as_bytes(), now / 1000) {
         Ok(pass) => pass,
         Err(_) => return (SubmitAnswer::of(SubmitOutcome::Unauthorized), None),
     };
@@ -110,15 +127,15 @@ async fn submit<'b>(
     if !pass.authorizes(submit.activity_id) {
         return (SubmitAnswer::of(SubmitOutcome::Unauthorized), Some(request_id));
     }
-    if let Err(retry_ms) = shard.user_limiter.borrow_mut().check(pass.user_id.0, now) {
+    if let Err(retry_ms) = deps.limiters.check_submitter(pass.user_id.0, now) {
         return (SubmitAnswer::retry(SubmitOutcome::RateLimited, retry_ms), Some(request_id));
     }
-    let answer = submit_checked(shard, request, &submit, pass.user_id).await;
+    let answer = submit_checked(deps, request, &submit, pass.user_id).await;
     (answer, Some(request_id))
 }
 
 async fn submit_checked(
-    shard: &Rc<Shard>,
+    deps: &SubmitDeps<'_>,
     request: &Request<'_>,
     submit: &api::SubmitRequest<'_>,
     user_id: UserId,
@@ -127,23 +144,23 @@ async fn submit_checked(
     let payload_hash = submit.payload_hash(user_id);
     let request_id = submit.request_id.as_str();
     // After sell-out: answered on this core.
-    let fast = shard.with_replica(key, |replica| {
+    let fast = deps.mesh.with_replica(key, |replica| {
         replica.map_or(FastPath::Forward, |r| r.fast_path(user_id.0, request_id, &payload_hash))
     });
     match fast {
         FastPath::SoldOut => {
-            shard.metrics().sold_out_fast_path.fetch_add(1, Ordering::Relaxed);
+            deps.metrics().sold_out_fast_path.fetch_add(1, Ordering::Relaxed);
             return SubmitAnswer::of(SubmitOutcome::SoldOut);
         }
         FastPath::Replay(entry) => {
-            shard.metrics().sold_out_fast_path.fetch_add(1, Ordering::Relaxed);
+            deps.metrics().sold_out_fast_path.fetch_add(1, Ordering::Relaxed);
             return SubmitAnswer::replay(&entry);
         }
         FastPath::Conflict => return SubmitAnswer::of(SubmitOutcome::IdempotencyConflict),
         FastPath::Forward => {}
     }
-    let owner = shard.shared.table.owner(key);
-    if owner == shard.id {
+    let owner = deps.shared.table.owner(key);
+    if owner == deps.id {
         let owned = SubmitRequest {
             key,
             request_id,
@@ -151,7 +168,7 @@ async fn submit_checked(
             payload_hash: &payload_hash,
             traceparent: request.traceparent,
         };
-        return owner_submit(shard, &owned).await;
+        return owner_submit(deps, &owned).await;
     }
     let (tx, rx) = oneshot::channel();
     let forwarded = Box::new(ForwardedSubmit {
@@ -162,17 +179,20 @@ async fn submit_checked(
         traceparent: request.traceparent.map(Into::into),
         reply: tx,
     });
-    if shard.forward(owner, forwarded).is_err() {
-        shard.metrics().mesh_full.fetch_add(1, Ordering::Relaxed);
-        return SubmitAnswer::retry(SubmitOutcome::Overloaded, shard.config().overloaded_retry_ms);
+    if deps.mesh.forward(owner, forwarded).is_err() {
+        deps.metrics().mesh_full.fetch_add(1, Ordering::Relaxed);
+        return SubmitAnswer::retry(
+            SubmitOutcome::Overloaded,
+            deps.shared.config.overloaded_retry_ms,
+        );
     }
-    shard.metrics().forwarded.fetch_add(1, Ordering::Relaxed);
+    deps.metrics().forwarded.fetch_add(1, Ordering::Relaxed);
     // The owner always answers (its flow is bounded by Redis and publish deadlines); a
     // dropped reply means it stopped mid-request, so the outcome is unknown.
     rx.await.unwrap_or_else(|_| SubmitAnswer::of(SubmitOutcome::Unknown))
 }
 
-pub async fn owner_forwarded(shard: &Rc<Shard>, forwarded: ForwardedSubmit) {
+pub async fn owner_forwarded(deps: &SubmitDeps<'_>, forwarded: ForwardedSubmit) {
     let owned = SubmitRequest {
         key: forwarded.key,
         request_id: &forwarded.request_id,
@@ -180,13 +200,13 @@ pub async fn owner_forwarded(shard: &Rc<Shard>, forwarded: ForwardedSubmit) {
         payload_hash: &forwarded.payload_hash,
         traceparent: forwarded.traceparent.as_deref(),
     };
-    let answer = owner_submit(shard, &owned).await;
+    let answer = owner_submit(deps, &owned).await;
     let _ = forwarded.reply.send(answer);
 }
 
 /// The owner shard's part, inside a span carrying the business ids (never metric labels;
 /// the user id only hashed).
-async fn owner_submit(shard: &Rc<Shard>, s: &SubmitRequest<'_>) -> SubmitAnswer {
+async fn owner_submit(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> SubmitAnswer {
     use tracing::Instrument as _;
     let span = tracing::debug_span!(
         "reserve",
@@ -198,20 +218,20 @@ async fn owner_submit(shard: &Rc<Shard>, s: &SubmitRequest<'_>) -> SubmitAnswer 
         message_id = tracing::field::Empty,
         traceparent = s.traceparent.unwrap_or(""),
     );
-    owner_submit_inner(shard, s).instrument(span).await
+    owner_submit_inner(deps, s).instrument(span).await
 }
 
 /// `begin`, `reserve`, `finish`, and for a fresh reservation the publish: I/O only between
 /// the decisions, each decision one borrow of the owner state.
-async fn owner_submit_inner(shard: &Rc<Shard>, s: &SubmitRequest<'_>) -> SubmitAnswer {
+async fn owner_submit_inner(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> SubmitAnswer {
     let now = now_ms();
-    let outside = outside(shard, s.key, now);
-    let keys = shard.sku_keys(s.key);
-    let node = shard.functions.router().node_of(keys.slot());
-    let call = match shard.owner.borrow_mut().begin(s, node, &outside, now) {
+    let outside = outside(deps, s.key, now);
+    let keys = deps.store.sku_keys(s.key);
+    let node = deps.store.functions.router().node_of(keys.slot());
+    let call = match deps.owner.borrow_mut().begin(s, node, &outside, now) {
         Begin::Answer { answer, admission_reject } => {
             if let Some(reason) = admission_reject {
-                shard.metrics().count_admission_reject(reason);
+                deps.metrics().count_admission_reject(reason);
                 tracing::debug!(reason, "submission not admitted");
             }
             return answer;
@@ -228,35 +248,35 @@ async fn owner_submit_inner(shard: &Rc<Shard>, s: &SubmitRequest<'_>) -> SubmitA
         reservation_id: &call.reservation_id,
         message_id: &call.message_id,
         now_ms: now,
-        pending_grace_ms: shard.config().pending_grace_ms,
+        pending_grace_ms: deps.shared.config.pending_grace_ms,
     };
     let started = Instant::now();
-    let reply = shard.functions.reserve(&keys, &args).await;
-    shard.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
-    let finish = shard.owner.borrow_mut().finish(call, s, reserve_result(reply), now);
+    let reply = deps.store.functions.reserve(&keys, &args).await;
+    deps.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
+    let finish = deps.owner.borrow_mut().finish(call, s, reserve_result(reply), now);
     let circuit = u64::from(finish.redis_circuit.metric_value());
-    shard.metrics().redis_circuit.store(circuit, Ordering::Relaxed);
+    deps.metrics().redis_circuit.store(circuit, Ordering::Relaxed);
     if let Some(update) = finish.replica {
         let sold_out = update.sold_out;
-        shard.broadcast(update);
+        deps.mesh.broadcast(update);
         if sold_out {
-            super::replays::ensure_loaded(shard, s.key);
+            ensure_loaded(deps.owner, deps.store, deps.mesh, s.key);
         }
     }
     let Some(message) = finish.publish else { return finish.answer };
     #[cfg(feature = "failpoints")]
     fail::fail_point!("after_reserve_created");
     let published =
-        publish_order(shard, &keys, message, MsgIdentity::Original, Origin::Submit).await;
-    shard.owner.borrow_mut().on_published(s, finish.answer, published)
+        publish_order(deps.publish, &keys, message, MsgIdentity::Original, Origin::Submit).await;
+    deps.owner.borrow_mut().on_published(s, finish.answer, published)
 }
 
 /// Admission's inputs that live outside the owner state.
-fn outside(shard: &Shard, key: SkuKey, now: u64) -> Outside {
-    let shared = &shard.shared;
+fn outside(deps: &SubmitDeps<'_>, key: SkuKey, now: u64) -> Outside {
+    let shared = deps.shared;
     Outside {
-        mode: shard.modes.borrow_mut().effective(&shared.modes, key.activity_id, key.sku_id, now),
-        log_publish: shard.publish_circuit.borrow().state(now),
+        mode: deps.modes.borrow_mut().effective(&shared.modes, key.activity_id, key.sku_id, now),
+        log_publish: deps.publish.circuit_state(now),
         backlog: shared.health.backlog(),
         pg_outage_age_ms: shared.health.pg_outage_age_ms(now),
         draw: rand::random(),
@@ -264,16 +284,6 @@ fn outside(shard: &Shard, key: SkuKey, now: u64) -> Outside {
 }
 
 /// The script binding's answer as the decision needs it.
-/// The first answer a request got, from its state in Redis now: `QUEUED_PENDING` stays, any
-/// later state means the first answer was `QUEUED` (replays of `IDEMPOTENT`, and the replay
-/// map loaded after sell-out, `replays.rs`).
-pub(super) fn first_answer(state: RequestState) -> AcceptedState {
-    match state {
-        RequestState::QueuedPending => AcceptedState::QueuedPending,
-        _ => AcceptedState::Queued,
-    }
-}
-
 fn reserve_result(reply: Result<ReserveReply, ScriptError>) -> ReserveResult {
     match reply {
         Ok(ReserveReply::Created { stock_after, expires_at_ms }) => {

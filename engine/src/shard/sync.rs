@@ -20,7 +20,7 @@ use flashsale_io::redis::script::{
 use flashsale_io::wire::{Compensation, EventAction, ReservationEvent, ORDER_CANCELLED_REASON};
 use tokio::sync::mpsc;
 
-use super::Shard;
+use super::state::Shard;
 use crate::durable::sync::SyncRequest;
 use crate::durable::DurableRequest;
 use crate::logic::clock::now_ms;
@@ -60,7 +60,8 @@ async fn apply_result(
     event: &ReservationEvent,
     outcome: FinalOutcome<'_>,
 ) -> Result<(), ScriptError> {
-    let keys = shard.sku_keys(SkuKey::new(event.activity_id, event.sku_id));
+    assert_final(event, outcome);
+    let keys = shard.store.sku_keys(SkuKey::new(event.activity_id, event.sku_id));
     let args = ApplyResultArgs {
         request_id: &event.request_id,
         reservation_id: &event.reservation_id,
@@ -70,7 +71,25 @@ async fn apply_result(
         message_id: &event.message_id,
         user_id: event.user_id,
     };
-    shard.functions.apply_result(&keys, &args).await.map(|_| ())
+    shard.store.functions.apply_result(&keys, &args).await.map(|_| ())
+}
+
+/// INVARIANT (DESIGN.md section 4; kept in release): a reservation leaves `resv:pending` only
+/// with its final outcome — an order with its id, or a rejection with its reason.
+/// `apply_result` (and `compensate` after it) take it out of `pending`; an outcome without
+/// what makes it final would lose the reservation silently (nothing would republish it), so
+/// a breach stops the shard before any write (the delivery is then redelivered, not acked).
+fn assert_final(event: &ReservationEvent, outcome: FinalOutcome<'_>) {
+    let is_final = match outcome {
+        FinalOutcome::OrderCreated { order_id } => !order_id.is_empty(),
+        FinalOutcome::Failed { reason_code } => !reason_code.is_empty(),
+    };
+    assert!(
+        is_final,
+        "invariant breached: reservation {} (request {}, user {}, sku {}:{}) would leave \
+         resv:pending without a final outcome ({outcome:?})",
+        event.reservation_id, event.request_id, event.user_id, event.activity_id, event.sku_id
+    );
 }
 
 /// Undoes a reservation's Redis effects once, as `compensation` says; a unit back in stock
@@ -82,7 +101,7 @@ async fn compensate(
     compensation: Compensation,
 ) -> Result<(), ScriptError> {
     let key = SkuKey::new(event.activity_id, event.sku_id);
-    let keys = shard.sku_keys(key);
+    let keys = shard.store.sku_keys(key);
     let args = CompensateArgs {
         reservation_id: &event.reservation_id,
         request_id: &event.request_id,
@@ -92,12 +111,12 @@ async fn compensate(
         reason_code,
         now_ms: now_ms(),
     };
-    let reply = shard.functions.compensate(&keys, &args).await?;
+    let reply = shard.store.functions.compensate(&keys, &args).await?;
     let CompensateReply::Applied { stock_after } = reply else { return Ok(()) };
     shard.metrics().compensations.fetch_add(1, Ordering::Relaxed);
     if compensation.return_stock && stock_after > 0 {
         if let Some(update) = shard.owner.borrow_mut().on_stock_returned(key) {
-            shard.broadcast(update);
+            shard.mesh.broadcast(update);
         }
         // The other instances' flags (durable/notice.rs); a full queue drops the notice and
         // their periodic stock re-check covers it.
@@ -130,4 +149,32 @@ async fn apply_logged(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(),
         tracing::warn!(error = %e, reservation_id = %event.reservation_id, "redis-sync apply failed");
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event() -> ReservationEvent {
+        let body = br#"{"schema_version":1,"event_type":"order_created","event_id":7,"reservation_id":"resv_1","request_id":"req_1","message_id":"msg_1","activity_id":1,"sku_id":2,"user_id":3,"payload_hash":"h","order_id":"ord_1","occurred_at":"2026-12-02T00:00:00Z"}"#;
+        flashsale_io::wire::decode_event(body).expect("a valid event")
+    }
+
+    #[test]
+    fn a_final_outcome_passes() {
+        assert_final(&event(), FinalOutcome::OrderCreated { order_id: "ord_1" });
+        assert_final(&event(), FinalOutcome::Failed { reason_code: "EXPIRED" });
+    }
+
+    #[test]
+    #[should_panic(expected = "would leave resv:pending without a final outcome")]
+    fn an_order_without_its_id_stops_the_shard() {
+        assert_final(&event(), FinalOutcome::OrderCreated { order_id: "" });
+    }
+
+    #[test]
+    #[should_panic(expected = "invariant breached: reservation resv_1")]
+    fn a_rejection_without_its_reason_stops_the_shard() {
+        assert_final(&event(), FinalOutcome::Failed { reason_code: "" });
+    }
 }

@@ -17,8 +17,6 @@
 //! and compensated (migration 0006). After a top-up every instance's sold-out flag clears
 //! through the stock-returned notice (`durable/notice.rs`).
 
-use std::rc::Rc;
-
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, ScriptError, TopUpArgs, TopUpReply};
 use flashsale_pg_worker::lifecycle::{self, Change, Closing, SkuSnapshot, SkuSpec};
@@ -26,34 +24,35 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::admin::{error, sku_fields};
-use super::Shard;
+use super::activity::sku_fields;
+use super::deps::AdminDeps;
 use crate::durable::DurableRequest;
 use crate::http::Status;
 use crate::logic::ids::{ActivityId, SkuId};
 use crate::logic::router::SkuKey;
+use crate::shard::reply::error;
 
 const DEFAULT_ACTOR: &str = "admin";
 /// Longest top-up request id (an operator's idempotency key for one top-up).
 const TOP_UP_REQUEST_ID_LEN_MAX: usize = 128;
 
 /// Routes `POST /admin/v1/activities/{a}/...` lifecycle calls; `None`: not one of them.
-pub async fn route(shard: &Rc<Shard>, path: &str, body: &[u8]) -> Option<(Status, String)> {
+pub async fn route(deps: &AdminDeps<'_>, path: &str, body: &[u8]) -> Option<(Status, String)> {
     let rest = path.strip_prefix("/admin/v1/activities/")?;
     let parts: Vec<&str> = rest.split('/').collect();
     let id = |text: &str| ActivityId::parse_decimal(text.as_bytes()).map(|id| id.get() as i64);
     let activity_id = id(parts.first()?)?;
     let sku = |text: &str| SkuId::parse_decimal(text.as_bytes()).map(|id| id.get() as i64);
     Some(match parts.as_slice() {
-        [_, "skus"] => add_sku(shard, activity_id, body).await,
-        [_, "end"] => close(shard, activity_id, None, Closing::End, body).await,
-        [_, "terminate"] => close(shard, activity_id, None, Closing::Terminate, body).await,
-        [_, "release-policy"] => release_policy(shard, activity_id, body).await,
-        [_, "skus", s, "end"] => close(shard, activity_id, Some(sku(s)?), Closing::End, body).await,
+        [_, "skus"] => add_sku(deps, activity_id, body).await,
+        [_, "end"] => close(deps, activity_id, None, Closing::End, body).await,
+        [_, "terminate"] => close(deps, activity_id, None, Closing::Terminate, body).await,
+        [_, "release-policy"] => release_policy(deps, activity_id, body).await,
+        [_, "skus", s, "end"] => close(deps, activity_id, Some(sku(s)?), Closing::End, body).await,
         [_, "skus", s, "terminate"] => {
-            close(shard, activity_id, Some(sku(s)?), Closing::Terminate, body).await
+            close(deps, activity_id, Some(sku(s)?), Closing::Terminate, body).await
         }
-        [_, "skus", s, "stock"] => top_up(shard, activity_id, sku(s)?, body).await,
+        [_, "skus", s, "stock"] => top_up(deps, activity_id, sku(s)?, body).await,
         _ => return None,
     })
 }
@@ -82,13 +81,13 @@ fn actor(given: Option<String>) -> Result<String, (Status, String)> {
 }
 
 /// Runs a PostgreSQL lifecycle call on the durable side; 503 when it cannot.
-async fn pg<T, F, Fut>(shard: &Shard, f: F) -> Result<T, (Status, String)>
+async fn pg<T, F, Fut>(deps: &AdminDeps<'_>, f: F) -> Result<T, (Status, String)>
 where
     T: Send + 'static,
     F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<T, flashsale_pg_worker::PgError>> + Send + 'static,
 {
-    shard.shared.durable.pg(f).await.map_err(|e| {
+    deps.shared.durable.pg(f).await.map_err(|e| {
         tracing::warn!(error = %e, "lifecycle change: PostgreSQL step failed");
         match e {
             crate::durable::DurableError::Pg(flashsale_pg_worker::PgError::InvalidArgument(_)) => {
@@ -101,7 +100,7 @@ where
 
 /// Installs each snapshot in Redis `meta` (idempotent by version; `stock` is set only if the
 /// key is absent, i.e. for a new SKU).
-async fn preheat(shard: &Shard, snapshots: &[SkuSnapshot]) -> Result<(), ScriptError> {
+async fn preheat(deps: &AdminDeps<'_>, snapshots: &[SkuSnapshot]) -> Result<(), ScriptError> {
     for snapshot in snapshots {
         let key = SkuKey::new(snapshot.activity_id as u64, snapshot.sku_id as u64);
         let args = PreheatArgs {
@@ -112,7 +111,7 @@ async fn preheat(shard: &Shard, snapshots: &[SkuSnapshot]) -> Result<(), ScriptE
             reservation_ttl_ms: snapshot.reservation_ttl_ms.max(1) as u64,
             stock: snapshot.total_stock.max(0) as u64,
         };
-        shard.functions.preheat(&shard.sku_keys(key), &args).await?;
+        deps.store.functions.preheat(&deps.store.sku_keys(key), &args).await?;
     }
     Ok(())
 }
@@ -166,7 +165,7 @@ struct AddSkuBody {
 
 /// `POST /admin/v1/activities/{a}/skus`: rows and tokens, then the preheat, then the SKU in
 /// the active-SKU set (its owner's scanner and reconcile find it there).
-async fn add_sku(shard: &Rc<Shard>, activity_id: i64, body: &[u8]) -> (Status, String) {
+async fn add_sku(deps: &AdminDeps<'_>, activity_id: i64, body: &[u8]) -> (Status, String) {
     let body: AddSkuBody = match parse(body) {
         Ok(body) => body,
         Err(refused) => return refused,
@@ -189,7 +188,7 @@ async fn add_sku(shard: &Rc<Shard>, activity_id: i64, body: &[u8]) -> (Status, S
         allocator: sku.allocator,
         price_cents: sku.price_cents,
     };
-    let change = match pg(shard, move |mut client| async move {
+    let change = match pg(deps, move |mut client| async move {
         lifecycle::add_sku(&mut client, &spec, &actor).await
     })
     .await
@@ -202,11 +201,11 @@ async fn add_sku(shard: &Rc<Shard>, activity_id: i64, body: &[u8]) -> (Status, S
         Change::Already(s) => (Status::Ok, false, s),
         other => return unchanged(other, "NO_SUCH_ACTIVITY"),
     };
-    if let Err(e) = preheat(shard, &snapshots).await {
+    if let Err(e) = preheat(deps, &snapshots).await {
         return redis_failed(e);
     }
     let member = SkuMember { activity_id: activity_id as u64, sku_id: body.sku_id as u64 };
-    if let Err(e) = shard.functions.add_active_sku(member).await {
+    if let Err(e) = deps.store.functions.add_active_sku(member).await {
         return redis_failed(e);
     }
     answer(status, applied, &snapshots)
@@ -220,7 +219,7 @@ struct ActorBody {
 
 /// `POST /admin/v1/activities/{a}/end|terminate`, `.../skus/{s}/end|terminate`.
 async fn close(
-    shard: &Rc<Shard>,
+    deps: &AdminDeps<'_>,
     activity_id: i64,
     sku_id: Option<i64>,
     closing: Closing,
@@ -230,7 +229,7 @@ async fn close(
         Ok(actor) => actor,
         Err(refused) => return refused,
     };
-    let change = match pg(shard, move |mut client| async move {
+    let change = match pg(deps, move |mut client| async move {
         lifecycle::close(&mut client, activity_id, sku_id, closing, &actor).await
     })
     .await
@@ -246,7 +245,7 @@ async fn close(
             return unchanged(other, missing);
         }
     };
-    if let Err(e) = preheat(shard, &snapshots).await {
+    if let Err(e) = preheat(deps, &snapshots).await {
         return redis_failed(e);
     }
     tracing::info!(activity_id, ?sku_id, ?closing, applied, "activity lifecycle: closed");
@@ -262,7 +261,12 @@ struct TopUpBody {
 }
 
 /// `POST /admin/v1/activities/{a}/skus/{s}/stock` with `{add, request_id?}`.
-async fn top_up(shard: &Rc<Shard>, activity_id: i64, sku_id: i64, body: &[u8]) -> (Status, String) {
+async fn top_up(
+    deps: &AdminDeps<'_>,
+    activity_id: i64,
+    sku_id: i64,
+    body: &[u8],
+) -> (Status, String) {
     let body: TopUpBody = match parse(body) {
         Ok(body) => body,
         Err(refused) => return refused,
@@ -278,7 +282,7 @@ async fn top_up(shard: &Rc<Shard>, activity_id: i64, sku_id: i64, body: &[u8]) -
         return error(Status::BadRequest, "REQUEST_ID_INVALID");
     }
     let (add, request_id) = (body.add, body.request_id);
-    let topped = match pg(shard, move |mut client| async move {
+    let topped = match pg(deps, move |mut client| async move {
         lifecycle::top_up(&mut client, activity_id, sku_id, add, request_id.as_deref(), &actor)
             .await
     })
@@ -290,14 +294,14 @@ async fn top_up(shard: &Rc<Shard>, activity_id: i64, sku_id: i64, body: &[u8]) -
     };
     let key = SkuKey::new(activity_id as u64, sku_id as u64);
     let args = TopUpArgs { add: topped.add as u64, version: topped.version as u64 };
-    let applied = match shard.functions.top_up(&shard.sku_keys(key), &args).await {
+    let applied = match deps.store.functions.top_up(&deps.store.sku_keys(key), &args).await {
         Ok(TopUpReply::Applied { .. }) => true,
         Ok(TopUpReply::Already { .. }) => false,
         Ok(TopUpReply::NoMeta) => return error(Status::Conflict, "NOT_PREHEATED"),
         Err(e) => return redis_failed(e),
     };
     // Every instance's (this one's too) sold-out flag: the owner re-reads stock on the notice.
-    let _ = shard.shared.durable.try_send(DurableRequest::StockReturned { key });
+    let _ = deps.shared.durable.try_send(DurableRequest::StockReturned { key });
     tracing::info!(activity_id, sku_id, add, version = topped.version, applied, "stock topped up");
     answer(Status::Ok, applied, std::slice::from_ref(&topped.snapshot))
 }
@@ -310,7 +314,7 @@ struct PolicyBody {
 }
 
 /// `POST /admin/v1/activities/{a}/release-policy` with `{release_policy}`.
-async fn release_policy(shard: &Rc<Shard>, activity_id: i64, body: &[u8]) -> (Status, String) {
+async fn release_policy(deps: &AdminDeps<'_>, activity_id: i64, body: &[u8]) -> (Status, String) {
     let body: PolicyBody = match parse(body) {
         Ok(body) => body,
         Err(refused) => return refused,
@@ -323,7 +327,7 @@ async fn release_policy(shard: &Rc<Shard>, activity_id: i64, body: &[u8]) -> (St
         return error(Status::BadRequest, "RELEASE_POLICY_INVALID");
     }
     let policy = body.release_policy;
-    let change = match pg(shard, move |mut client| async move {
+    let change = match pg(deps, move |mut client| async move {
         lifecycle::set_release_policy(&mut client, activity_id, &policy, &actor).await
     })
     .await

@@ -1,7 +1,8 @@
-//! The control plane's state on one instance (DESIGN.md section 7): the mode table every shard
-//! obeys, where it is persisted, how snapshots arrive, and the dependency health admission
-//! reads. The decisions themselves are sans-I/O elsewhere (`modes.rs` for the table's rules,
-//! `admission.rs` for a submission's fate); this module is the glue with I/O.
+//! The degradation modes on one instance (DESIGN.md section 7): the mode table every shard
+//! obeys, where it is persisted, how snapshots arrive. The decisions themselves are sans-I/O
+//! elsewhere (`logic::modes` for the table's rules, `admission.rs` for a submission's fate);
+//! this module is the glue with I/O. The dependency health admission also reads is
+//! `health.rs`.
 //!
 //! - [`ModeState`]: the accepted [`ModeTable`] behind a mutex plus a revision counter. A shard
 //!   keeps its own clone ([`ShardModes`]) and re-clones only when the revision moved, so a
@@ -17,10 +18,6 @@
 //!   (its own put comes back as a stale version and is ignored). Two instances accepting
 //!   snapshots of one scope at once never overwrite each other blindly: the loser answers
 //!   409 STALE_VERSION.
-//! - [`Health`]: the `order-writer` backlog and the last PostgreSQL contact, polled on the
-//!   durable side ([`poll_health`]) every `health_poll_ms` and read by admission per request.
-//!   Both are this instance's own observations, independent of whether an order worker runs
-//!   in the process (`--no-worker` included).
 //!
 //! Without `FLASHSALE_CONTROL_KEY` there is no table: every SKU is NORMAL and mode changes are
 //! refused (CONTRACT.md section 2).
@@ -31,10 +28,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flashsale_io::log::async_nats;
-use flashsale_io::log::LogLag;
-use flashsale_pg_worker::pool::{Connector, PgPoolConfig};
 
-use crate::logic::admission::Backlog;
+use super::error::DurableError;
+use super::wait::pause;
 use crate::logic::key::HmacKey;
 use crate::logic::modes::{Applied, EffectiveMode, ModeConfig, ModeError, ModeTable};
 use crate::logic::modes::{Scope, SignedSnapshot};
@@ -254,9 +250,9 @@ pub async fn put_mode(
     key: &str,
     value: &str,
     version: u64,
-) -> Result<u64, crate::durable::DurableError> {
-    use crate::durable::DurableError;
+) -> Result<u64, DurableError> {
     use async_nats::jetstream::kv::{CreateErrorKind, UpdateErrorKind};
+    use DurableError;
     let failed = |e: &dyn std::fmt::Display| DurableError::ModeStore(e.to_string());
     for _ in 0..PUT_ATTEMPTS_MAX {
         let entry = store.entry(key).await.map_err(|e| failed(&e))?;
@@ -347,132 +343,6 @@ fn apply_entry(state: &ModeState, key: &str, value: &[u8], now_ms: u64) {
         Ok(_) => {}
         Err(ControlError::Mode(ModeError::StaleVersion { .. })) => {}
         Err(e) => tracing::warn!(key, error = %e, "mode bucket entry refused"),
-    }
-}
-
-async fn pause(wait: Duration, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
-    tokio::select! {
-        _ = tokio::time::sleep(wait) => *stop.borrow(),
-        _ = stop.changed() => true,
-    }
-}
-
-/// What admission reads about the dependencies behind the log, written by [`poll_health`].
-#[derive(Debug, Default)]
-pub struct Health {
-    pub lag: LogLag,
-    /// When this instance last completed a PostgreSQL round trip (ms since the epoch).
-    pub pg_ok_at_ms: AtomicU64,
-}
-
-impl Health {
-    pub fn backlog(&self) -> Backlog {
-        Backlog {
-            oldest_pending_age_ms: self.lag.oldest_pending_age_ms(),
-            pending_count: self.lag.pending(),
-            polled_at_ms: self.lag.polled_at_ms(),
-        }
-    }
-
-    /// Milliseconds since the last PostgreSQL contact.
-    pub fn pg_outage_age_ms(&self, now_ms: u64) -> u64 {
-        now_ms.saturating_sub(self.pg_ok_at_ms.load(Ordering::Relaxed))
-    }
-}
-
-/// Polls the `order-writer` backlog and pings PostgreSQL (on a connection of its own, so a
-/// busy pool never reads as an outage) every `every`, each call bounded. The two run side by
-/// side: a hung PostgreSQL connect must not age the backlog sample into BACKLOG_UNKNOWN, nor
-/// a slow JetStream answer PostgreSQL's contact into PG_OUTAGE.
-///
-/// After each backlog sample the replicated streams' placement is sampled too and exported
-/// (`flashsale_log_stream_replicas{stream}` / `..._current{stream}`), bounded by `every`.
-///
-/// The ping connects through the worker pool's [`Connector`] (failover over a multi-host URL,
-/// the fencing rule, keepalives), each host's whole connect bounded by `every`: a hung first
-/// host costs one poll interval, then the next host is tried in the same round, and the
-/// connector tries the host that answered first next time. The ping itself is bounded by
-/// `every`; a connection that missed it is dropped.
-pub async fn poll_health(
-    log: flashsale_io::log::Log,
-    pg_url: String,
-    health: Arc<Health>,
-    every: Duration,
-    stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let backlog = {
-        let (health, mut stop) = (Arc::clone(&health), stop.clone());
-        async move {
-            loop {
-                let now = crate::logic::clock::now_ms();
-                match tokio::time::timeout(every, log.poll_order_writer_lag(now)).await {
-                    Ok(Ok(sample)) => health.lag.store(sample, crate::logic::clock::now_ms()),
-                    Ok(Err(e)) => tracing::debug!(error = %e, "backlog poll failed"),
-                    Err(_) => tracing::debug!("backlog poll timed out"),
-                }
-                match tokio::time::timeout(every, log.poll_placement()).await {
-                    Ok(placements) => flashsale_io::log::record_placement(&placements),
-                    Err(_) => tracing::debug!("stream placement poll timed out"),
-                }
-                if pause(every, &mut stop).await {
-                    return;
-                }
-            }
-        }
-    };
-    let postgres = ping_postgres(pg_url, health, every, stop);
-    tokio::join!(backlog, postgres);
-}
-
-async fn ping_postgres(
-    pg_url: String,
-    health: Arc<Health>,
-    every: Duration,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let settings = PgPoolConfig {
-        url: pg_url,
-        pool_size: 1,
-        connect_timeout_ms: u64::try_from(every.as_millis()).unwrap_or(u64::MAX).max(1),
-        application_name: "flashsale-health".to_owned(),
-        ..PgPoolConfig::default()
-    };
-    let connector = match Connector::new(&settings) {
-        Ok(connector) => Some(connector),
-        Err(e) => {
-            // The URL was validated at start-up; without a connector every ping fails
-            // (PG_OUTAGE), which is the honest answer.
-            tracing::error!(error = %e, "health ping cannot connect to PostgreSQL");
-            None
-        }
-    };
-    let mut pg: Option<(tokio_postgres::Client, tokio::task::JoinHandle<()>)> = None;
-    loop {
-        if pg.as_ref().is_none_or(|(client, _)| client.is_closed()) {
-            if let Some((_, task)) = pg.take() {
-                task.abort();
-            }
-            if let Some(connector) = &connector {
-                pg = connector.connect().await.ok();
-            }
-        }
-        if let Some((client, task)) = &pg {
-            match tokio::time::timeout(every, client.simple_query("SELECT 1")).await {
-                Ok(Ok(_)) => {
-                    health.pg_ok_at_ms.store(crate::logic::clock::now_ms(), Ordering::Relaxed)
-                }
-                _ => {
-                    task.abort();
-                    pg = None;
-                }
-            }
-        }
-        if pause(every, &mut stop).await {
-            if let Some((_, task)) = pg.take() {
-                task.abort();
-            }
-            return;
-        }
     }
 }
 

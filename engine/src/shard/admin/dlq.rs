@@ -11,22 +11,20 @@
 //! Fix the cause first: a message replayed into the same failure comes back as a new dead
 //! letter after its deliveries.
 
-use std::rc::Rc;
-
 use flashsale_io::log::{DeadLetter, Replay};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::admin::error;
-use super::Shard;
 use crate::http::Status;
 use crate::logic::ids::parse_decimal_u64;
+use crate::shard::reply::error;
+use crate::shard::shared::EdgeShared;
 
 /// Dead letters one list answer holds; `next_after` continues.
 pub const LISTED_MAX: usize = 100;
 
 /// `GET /admin/v1/dlq[?after=SEQ]`
-pub async fn list(shard: &Rc<Shard>, query: Option<&str>) -> (Status, String) {
+pub async fn list(shared: &EdgeShared, query: Option<&str>) -> (Status, String) {
     let after = match query.unwrap_or("") {
         "" => 0,
         q => match q.strip_prefix("after=").and_then(|n| parse_decimal_u64(n.as_bytes())) {
@@ -34,8 +32,7 @@ pub async fn list(shard: &Rc<Shard>, query: Option<&str>) -> (Status, String) {
             None => return error(Status::BadRequest, "QUERY_INVALID"),
         },
     };
-    let listed = shard
-        .shared
+    let listed = shared
         .durable
         .log(move |log, _| async move { log.dead_letters(after, LISTED_MAX).await })
         .await;
@@ -86,7 +83,7 @@ enum Action {
 }
 
 /// `POST /admin/v1/dlq/{seq}`
-pub async fn act(shard: &Rc<Shard>, sequence: &str, body: &[u8]) -> (Status, String) {
+pub async fn act(shared: &EdgeShared, sequence: &str, body: &[u8]) -> (Status, String) {
     let Some(sequence) = parse_decimal_u64(sequence.as_bytes()) else {
         return error(Status::BadRequest, "SEQUENCE_INVALID");
     };
@@ -97,7 +94,7 @@ pub async fn act(shard: &Rc<Shard>, sequence: &str, body: &[u8]) -> (Status, Str
     let Ok(ActionBody { action }) = serde_json::from_slice::<ActionBody>(body) else {
         return error(Status::BadRequest, "ACTION_INVALID");
     };
-    let durable = &shard.shared.durable;
+    let durable = &shared.durable;
     match action {
         Action::Replay => {
             let replayed = durable

@@ -34,28 +34,29 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::Instrument as _;
 
-use super::publish::{publish_order, MsgIdentity, Origin};
-use super::scanner::message_of;
-use super::Shard;
+use super::deps::AdminDeps;
 use crate::http::Status;
 use crate::logic::clock::now_ms;
 use crate::logic::router::SkuKey;
 use crate::logic::submit::Published;
+use crate::shard::publish::{publish_order, MsgIdentity, Origin};
+use crate::shard::reply::error;
+use crate::shard::scanner::message_of;
 
 /// Entries one list answer holds (oldest first); `count` says how many there are.
 pub const LISTED_MAX: usize = 100;
 
 /// `GET /admin/v1/activities/{a}/skus/{s}/stuck`
-pub async fn list(shard: &Rc<Shard>, key: SkuKey) -> (Status, String) {
-    let keys = shard.sku_keys(key);
+pub async fn list(deps: &AdminDeps<'_>, key: SkuKey) -> (Status, String) {
+    let keys = deps.store.sku_keys(key);
     let (counters, entries) = match futures::try_join!(
-        shard.functions.counters(&keys),
-        shard.functions.stuck_entries(&keys, LISTED_MAX)
+        deps.store.functions.counters(&keys),
+        deps.store.functions.stuck_entries(&keys, LISTED_MAX)
     ) {
         Ok(read) => read,
         Err(e) => {
             tracing::warn!(error = %e, activity_id = key.activity_id, sku_id = key.sku_id, "listing stuck reservations failed");
-            return super::admin::error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
+            return error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
         }
     };
     let now = now_ms();
@@ -106,17 +107,16 @@ enum Action {
 /// `POST /admin/v1/activities/{a}/skus/{s}/stuck/{reservation_id}` with
 /// `{"action":"republish"|"compensate"}`.
 pub async fn resolve(
-    shard: &Rc<Shard>,
+    deps: &AdminDeps<'_>,
     key: SkuKey,
     reservation_id: &str,
     body: &[u8],
 ) -> (Status, String) {
-    use super::admin::error;
     let Ok(ResolveBody { action }) = serde_json::from_slice::<ResolveBody>(body) else {
         return error(Status::BadRequest, "ACTION_INVALID");
     };
-    let keys = shard.sku_keys(key);
-    let stuck = match shard.functions.stuck_entry(&keys, reservation_id).await {
+    let keys = deps.store.sku_keys(key);
+    let stuck = match deps.store.functions.stuck_entry(&keys, reservation_id).await {
         Ok(Some(stuck)) => stuck,
         Ok(None) => return error(Status::NotFound, "NOT_STUCK"),
         Err(flashsale_io::redis::script::ScriptError::InvalidArgument(_)) => {
@@ -137,21 +137,22 @@ pub async fn resolve(
     entry.send_attempts = entry.send_attempts.saturating_add(1);
     let span = tracing::info_span!("stuck_resolve", reservation_id, activity_id = key.activity_id,
         sku_id = key.sku_id, action = ?action);
-    apply(shard, key, &keys, entry, action).instrument(span).await
+    apply(deps, key, &keys, entry, action).instrument(span).await
 }
 
 async fn apply(
-    shard: &Rc<Shard>,
+    deps: &AdminDeps<'_>,
     key: SkuKey,
     keys: &Rc<flashsale_io::redis::script::SkuKeys>,
     entry: flashsale_io::redis::script::PendingEntry,
     action: Action,
 ) -> (Status, String) {
-    use super::admin::error;
     let message = message_of(key, &entry);
     match action {
         Action::Republish => {
-            match publish_order(shard, keys, message, MsgIdentity::Attempt, Origin::Scanner).await {
+            match publish_order(deps.publish, keys, message, MsgIdentity::Attempt, Origin::Scanner)
+                .await
+            {
                 Published::Acked => {
                     tracing::info!("stuck reservation republished by an operator");
                     (Status::Accepted, json!({"resolution": "REPUBLISHED"}).to_string())
@@ -164,7 +165,7 @@ async fn apply(
             if entry.expires_at_ms > now {
                 return error(Status::Conflict, "NOT_EXPIRED");
             }
-            let settled = shard
+            let settled = deps
                 .shared
                 .durable
                 .pg(move |client| async move {
