@@ -15,6 +15,7 @@ pub mod limiter;
 pub mod metrics;
 pub mod modes;
 pub mod outcome;
+pub mod overload;
 pub mod partition;
 pub mod payment;
 pub mod reconcile;
