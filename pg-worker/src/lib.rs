@@ -17,8 +17,9 @@
 //!   `batching`: the sans-I/O size of each pull (the batch follows the backlog);
 //! - `pool`: the connection pool (multi-host URLs); `sql`: the statements;
 //! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7);
-//! - `edge`, `lifecycle`: what the admin plane asks of PostgreSQL (activities created, SKUs
-//!   added, ended, terminated, topped up).
+//! - `activity_creation`, `lifecycle`, `sku`: what the admin plane asks of PostgreSQL
+//!   (activities created; SKUs added, ended, terminated, topped up; a SKU's config and its
+//!   sellable units); `reservation_lookup`: the query fallback.
 //!
 //! What it is not: the edge (no Redis, no HTTP), nor the JetStream client (the
 //! `io` crate's `log`, which this crate drives).
@@ -28,10 +29,10 @@
 //! per-message transaction, `0004_order_create_set.sql` for the set-based one; then
 //! `worker.rs`, `order_writer.rs`, `plan.rs`, `classify.rs`.
 
+pub mod activity_creation;
 pub mod audit;
 pub mod batching;
 pub mod classify;
-pub mod edge;
 pub mod error;
 pub mod lifecycle;
 pub mod migrate;
@@ -42,7 +43,9 @@ pub mod plan;
 pub mod pool;
 pub mod provider;
 pub mod reconcile;
+pub mod reservation_lookup;
 pub mod set_writer;
+pub mod sku;
 pub mod sql;
 pub mod tokens;
 pub mod worker;

@@ -22,8 +22,8 @@
 use serde_json::json;
 use tokio_postgres::{Client, GenericClient};
 
-use crate::edge::Allocator;
 use crate::error::PgError;
+use crate::sku::{insert_sku, Allocator, SkuSpec};
 use crate::tokens::TOKENS_PER_SKU_MAX;
 
 /// Longest `actor` recorded (the table's check).
@@ -43,40 +43,6 @@ pub struct SkuSnapshot {
     pub meta_version: i64,
     pub total_stock: i64,
     pub release_policy: String,
-}
-
-/// A validated `POST /admin/v1/activities/{a}/skus` body.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SkuSpec {
-    pub activity_id: i64,
-    pub sku_id: i64,
-    pub stock: i64,
-    pub allocator: Allocator,
-    /// The unit price (`sku_inventory.price_cents`); an order's amount comes from it.
-    pub price_cents: Option<i64>,
-}
-
-impl SkuSpec {
-    /// The canonical text whose equality decides "same body" (also written by
-    /// `edge::create_activity` for the activity's first SKU).
-    pub fn config_hash(&self) -> String {
-        sku_config_hash(self.sku_id, self.stock, self.allocator, self.price_cents)
-    }
-}
-
-/// A SKU without a price hashes as before prices existed, so bodies sent before then are
-/// still "the same body".
-pub fn sku_config_hash(
-    sku_id: i64,
-    stock: i64,
-    allocator: Allocator,
-    price_cents: Option<i64>,
-) -> String {
-    let base = format!("sku-v1|{sku_id}|{stock}|{}", allocator.as_str());
-    match price_cents {
-        None => base,
-        Some(price) => format!("{base}|price={price}"),
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -188,32 +154,6 @@ async fn record(
             ],
         )
         .await?;
-    Ok(())
-}
-
-/// THE insert of a new SKU: its row (with its config hash) and its stock (tokens, or the ROW
-/// counter); for `add_sku` and `edge::create_activity` alike.
-pub async fn insert_sku(client: &impl GenericClient, spec: &SkuSpec) -> Result<(), PgError> {
-    let available: Option<i64> = (spec.allocator == Allocator::Row).then_some(spec.stock);
-    client
-        .execute(
-            "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, \
-                                        available_stock, config_hash, price_cents) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            &[
-                &spec.activity_id,
-                &spec.sku_id,
-                &spec.stock,
-                &spec.allocator.as_str(),
-                &available,
-                &spec.config_hash(),
-                &spec.price_cents,
-            ],
-        )
-        .await?;
-    if spec.allocator == Allocator::Token {
-        crate::tokens::generate_tokens(client, spec.activity_id, spec.sku_id, spec.stock).await?;
-    }
     Ok(())
 }
 

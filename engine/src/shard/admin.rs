@@ -16,7 +16,8 @@ use bytes::BytesMut;
 use flashsale_io::bounds;
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, PreheatReply};
-use flashsale_pg_worker::edge::{self, ActivitySpec, Allocator, CreateActivity};
+use flashsale_pg_worker::activity_creation::{self, ActivitySpec, CreateActivity};
+use flashsale_pg_worker::sku::{self, Allocator};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -436,7 +437,7 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
     let wait = Duration::from_millis(ADMIN_PG_WAIT_MS);
     let spec_for_pg = spec.clone();
     let create = durable.pg(move |mut client| async move {
-        edge::create_activity(&mut client, &spec_for_pg).await
+        activity_creation::create_activity(&mut client, &spec_for_pg).await
     });
     let created = glommio::timer::timeout(wait, async { Ok(create.await) }).await;
     let outcome = match created {
@@ -481,7 +482,9 @@ async fn create_activity(shard: &Rc<Shard>, body: &[u8]) -> (Status, String) {
         }
         let activity_id = spec.activity_id;
         let marked = durable
-            .pg(move |client| async move { edge::mark_activity_active(&client, activity_id).await })
+            .pg(move |client| async move {
+                activity_creation::mark_activity_active(&client, activity_id).await
+            })
             .await;
         if marked.is_err() {
             return error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE");
@@ -512,7 +515,7 @@ async fn sku_status(shard: &Rc<Shard>, key: SkuKey) -> (Status, String) {
     let config = shard
         .shared
         .durable
-        .pg(move |client| async move { edge::sku_config(&client, activity_id, sku_id).await })
+        .pg(move |client| async move { sku::sku_config(&client, activity_id, sku_id).await })
         .await;
     let config = match config {
         Ok(Some(config)) => config,

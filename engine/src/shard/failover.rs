@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, PreheatReply};
-use flashsale_pg_worker::edge;
+use flashsale_pg_worker::sku;
 
 use super::Shard;
 use crate::logic::clock::now_ms;
@@ -151,8 +151,8 @@ async fn rebuild(shard: &Shard, key: SkuKey) {
         .shared
         .durable
         .pg(move |client| async move {
-            let config = edge::sku_config(&client, activity_id, sku_id).await?;
-            let units = edge::sellable_units(&client, activity_id, sku_id).await?;
+            let config = sku::sku_config(&client, activity_id, sku_id).await?;
+            let units = sku::sellable_units(&client, activity_id, sku_id).await?;
             Ok(config.zip(units))
         })
         .await;

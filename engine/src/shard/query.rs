@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use flashsale_io::redis::layout::RequestRecord;
-use flashsale_pg_worker::edge::{self, ReservationRecord};
+use flashsale_pg_worker::reservation_lookup::{self, ReservationRecord};
 
 use super::conn::RequestCtx;
 use super::submit::write_state;
@@ -178,7 +178,8 @@ async fn read_postgres(
     let (activity_id, sku_id) = (asked.key.activity_id as i64, asked.key.sku_id as i64);
     let (user_id, request_id) = (asked.user_id as i64, asked.request_id.clone());
     let lookup = shard.shared.durable.pg(move |client| async move {
-        edge::find_reservation(&client, activity_id, sku_id, user_id, &request_id).await
+        reservation_lookup::find_reservation(&client, activity_id, sku_id, user_id, &request_id)
+            .await
     });
     match glommio::timer::timeout(wait, async { Ok(lookup.await) }).await {
         Ok(result) => result,
