@@ -31,11 +31,13 @@
 
 pub mod activity_creation;
 pub mod audit;
+pub mod batch_events;
 pub mod batching;
 pub mod classify;
 pub mod error;
 pub mod lifecycle;
 pub mod migrate;
+pub mod order_path;
 pub mod order_writer;
 pub mod outbox;
 pub mod payments;
@@ -45,8 +47,10 @@ pub mod provider;
 pub mod reconcile;
 pub mod reservation_lookup;
 pub mod set_writer;
+pub mod settle_expired;
 pub mod sku;
 pub mod sql;
+pub mod statements;
 pub mod tokens;
 pub mod worker;
 
@@ -57,11 +61,11 @@ pub use audit::{check_invariants, InvariantReport};
 pub use classify::{Action, Attempt, Recorded, RetryPolicy, WriteOutcome};
 pub use error::PgError;
 pub use migrate::{apply_migrations, migrate, MigrateReport, Migration, MIGRATIONS};
-pub use order_writer::{
-    settle_expired, write_batch, write_batch_per_message, write_batch_with, OrderPath, Settled,
-    SET_BATCH_MAX,
-};
+pub use order_path::{write_batch, write_batch_with, OrderPath};
+pub use order_writer::write_batch_per_message;
 pub use outbox::{publish_once, OutboxRound};
 pub use pool::{build_pool, PgPoolConfig};
+pub use set_writer::SET_BATCH_MAX;
+pub use settle_expired::{settle_expired, Settled};
 pub use tokens::{claim_token, generate_tokens, ClaimOutcome};
 pub use worker::{start, WorkerConfig, WorkerHandle};

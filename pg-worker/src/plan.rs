@@ -33,9 +33,9 @@
 //! first, and every constraint of migration 0001 holds.
 //!
 //! What it is not: the SQL (`migrations/0004_order_create_set.sql`, `sql.rs`), the transaction
-//! (`order_writer.rs`), or the settlement of deliveries (`classify.rs`).
+//! (`set_writer.rs`), or the settlement of deliveries (`classify.rs`).
 //!
-//! Read next: `order_writer.rs` (`write_batch`), `migrations/0004_order_create_set.sql`.
+//! Read next: `set_writer.rs` (`write_set_once`), `migrations/0004_order_create_set.sql`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 

@@ -1,7 +1,8 @@
 //! The set-based batch transaction (migration 0004): a fixed number of statements per batch,
 //! whatever its size, every per-message outcome of DESIGN.md section 5 kept.
 //!
-//! What it is: `write_set`, two pipelined round trips around a sans-I/O decision:
+//! What it is: [`write_set_once`], one attempt: two pipelined round trips around a sans-I/O
+//! decision:
 //!
 //! ```text
 //! BEGIN; SELECT ... FROM flashsale_order_facts(arrays)     -- inbox, recorded, buyers, locks
@@ -17,13 +18,15 @@
 //!
 //! When PostgreSQL refuses the batch (a message breaks a constraint, a buyer was raced by a
 //! concurrent transaction — SQLSTATE FS001 —, a deadlock or lock timeout), the transaction is
-//! rolled back and the batch is written the per-message way (`order_writer::
-//! write_batch_per_message`), which isolates the failing message; the rest commit, and only
-//! the failing one answers `Failed`. `flashsale_order_writer_set_fallbacks_total{reason}`
-//! counts these. A broken connection is `Err`, as on the per-message path.
+//! rolled back and the attempt answers [`Attempt::Refused`] with its [`Refusal`]; the caller
+//! (`order_path.rs`) then writes the batch the per-message way. A broken connection is `Err`,
+//! as on the per-message path. A plan that breaks the sale's invariants (`plan.rs` asserts
+//! them) panics after this rolls the transaction back: nothing of the batch commits, nothing
+//! is acked.
 //!
-//! What it is not: the rules (`plan.rs`), the SQL (`migrations/0004_order_create_set.sql`,
-//! `sql.rs`), the settlement of deliveries (`classify.rs`, `worker.rs`).
+//! What it is not: the rules (`plan.rs`), the fallback (`order_path.rs`), the SQL
+//! (`migrations/0004_order_create_set.sql`, `sql.rs`), the statements' pipelining
+//! (`statements.rs`), the settlement of deliveries (`classify.rs`, `worker/`).
 //!
 //! Read next: `plan.rs`, `migrations/0004_order_create_set.sql`.
 
@@ -34,14 +37,19 @@ use flashsale_io::wire::OrderCreate;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
+use crate::batch_events::EventColumns;
 use crate::classify::WriteOutcome;
 use crate::error::PgError;
-use crate::order_writer::{
-    call, exec, next_result, pipeline, system_time, write_per_message_chunks, EventColumns,
-    Pending, Statements, SET_BATCH_MAX,
-};
 use crate::plan::{self, bigint, Facts, Plan, RecordedRow, SkuClaim, SkuFacts};
 use crate::sql;
+use crate::statements::{
+    call, describe, exec, next_result, pipeline, system_time, Pending, Statements,
+};
+
+/// Most messages in one set-based transaction (its arrays, the rows and token locks it holds,
+/// and what a fallback to the per-message path redoes). The worker's `fetch_max` is bounded
+/// by it.
+pub const SET_BATCH_MAX: usize = 1024;
 
 /// Why a batch left the set-based path (the metric's `reason` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,35 +87,6 @@ pub enum Attempt {
     /// Not committed, the transaction closed (the error's text beside the reason): write the
     /// batch another way.
     Refused(Refusal, String),
-}
-
-/// Writes `messages` (1..=[`SET_BATCH_MAX`]) set-based, or per message when PostgreSQL refuses
-/// the set (see the module documentation). Outcomes in input order, after COMMIT.
-pub(crate) async fn write_set(
-    client: &ClientWrapper,
-    consumer_group: &str,
-    messages: &[&OrderCreate],
-    now_ms: u64,
-) -> Result<Vec<WriteOutcome>, PgError> {
-    if messages.is_empty() || messages.len() > SET_BATCH_MAX {
-        return Err(PgError::InvalidArgument("a set batch holds 1..=SET_BATCH_MAX messages"));
-    }
-    match write_set_once(client, consumer_group, messages, now_ms).await? {
-        Attempt::Committed(outcomes) => Ok(outcomes),
-        Attempt::Refused(refusal, error) => {
-            metrics::counter!("flashsale_order_writer_set_fallbacks_total", "reason" => refusal.label())
-                .increment(1);
-            match refusal {
-                Refusal::Inconsistent => {
-                    tracing::error!(%error, size = messages.len(), "set batch refused: per message")
-                }
-                Refusal::BuyerRace | Refusal::Server => {
-                    tracing::debug!(%error, size = messages.len(), "set batch refused: per message")
-                }
-            }
-            write_per_message_chunks(client, consumer_group, messages, now_ms).await
-        }
-    }
 }
 
 /// One set-based attempt without the fallback (the equivalence tests use it to be sure the
@@ -166,7 +145,7 @@ async fn attempt(
             Err(error) if error.code().is_none() => return Err(error.into()),
             Err(error) => {
                 if refused.is_none() {
-                    let text = crate::order_writer::describe(&error);
+                    let text = describe(&error);
                     refused = Some(Attempt::Refused(Refusal::of(&error), text));
                 }
             }
@@ -204,7 +183,7 @@ async fn read_facts(
         Some(Ok(Some(row))) => Ok(Ok(decode_facts(&row, messages.len())?)),
         Some(Err(error)) if error.code().is_some() => {
             client.execute(&statements.rollback, &[]).await?;
-            let text = crate::order_writer::describe(&error);
+            let text = describe(&error);
             Ok(Err(Attempt::Refused(Refusal::of(&error), text)))
         }
         Some(Err(error)) => Err(error.into()),

@@ -8,7 +8,7 @@
 //!
 //! - `order_writers` order-writer tasks: pull deliveries (as many as are waiting, up to the
 //!   adaptive ask of [`crate::batching::FetchSizer`]: `fetch_min` growing to `fetch_max` under
-//!   a backlog), decode them, write them ([`crate::order_writer::write_batch_with`]: the whole
+//!   a backlog), decode them, write them ([`crate::order_path::write_batch_with`]: the whole
 //!   pull in ONE set-based transaction, or on the per-message path in transactions of at most
 //!   `batch_max`), and only after COMMIT settle each delivery as
 //!   [`crate::classify::classify`] says (ack, NAK with a delay, or dead-letter then TERM);
@@ -63,9 +63,11 @@ use tracing::Instrument;
 use crate::batching::FetchSizer;
 use crate::classify::{classify, Action, Attempt, RetryPolicy, WriteOutcome};
 use crate::error::PgError;
-use crate::order_writer::{write_batch_with, OrderPath, BATCH_MAX, SET_BATCH_MAX};
+use crate::order_path::{write_batch_with, OrderPath};
+use crate::order_writer::BATCH_MAX;
 use crate::outbox;
 use crate::pool::{build_pool, PgPoolConfig};
+use crate::set_writer::SET_BATCH_MAX;
 
 /// Every knob of the worker. `Default` is the production setting for one 2-core machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
