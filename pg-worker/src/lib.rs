@@ -6,14 +6,17 @@
 //! retry classification (`error`), and the durable pipeline's PostgreSQL side
 //! (DESIGN.md section 5):
 //!
-//! - `order_writer`: several order-create messages per transaction, each outcome
-//!   kept apart, set-based (`set_writer`, with `plan` deciding every outcome sans
-//!   I/O) or one function call per message (the fallback and reference);
+//! - `order_path`: several order-create messages per transaction, each outcome kept apart,
+//!   set-based (`set_writer`, with `plan` deciding every outcome sans I/O) or one function
+//!   call per message (`order_writer`, the fallback and reference); what both writers share:
+//!   `statements` (prepared statements, pipelining) and `batch_events` (the outbox rows);
+//!   `settle_expired`: an operator's settlement through that path;
 //!   `classify`: the sans-I/O rules that settle each delivery (ack after commit,
 //!   NAK with backoff, dead letter) and the event each outcome announces;
 //! - `outbox`: `SKIP LOCKED` batches of `event_outbox` to `SECKILL_EVENTS`;
 //! - `worker`: the pool of tasks on its own tokio runtime (`start` →
-//!   `WorkerHandle`), used by `flashsale serve` and `flashsale worker`;
+//!   `WorkerHandle`; `WorkerConfig` in `worker/config.rs`, one file per task), used by
+//!   `flashsale serve` and `flashsale worker`;
 //!   `batching`: the sans-I/O size of each pull (the batch follows the backlog);
 //! - `pool`: the connection pool (multi-host URLs); `sql`: the statements;
 //! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7);
@@ -27,7 +30,7 @@
 //! Read next: `migrations/0001_init.sql` for the tables and which invariant of
 //! DESIGN.md section 8 each constraint enforces, `0002_order_create.sql` for the
 //! per-message transaction, `0004_order_create_set.sql` for the set-based one; then
-//! `worker.rs`, `order_writer.rs`, `plan.rs`, `classify.rs`.
+//! `worker/mod.rs`, `order_path.rs`, `set_writer.rs`, `plan.rs`, `classify.rs`.
 
 pub mod activity_creation;
 pub mod audit;
