@@ -97,73 +97,99 @@ pub async fn write_batch_per_message(
     let mut attempt: Vec<usize> = (0..messages.len()).collect();
     while !attempt.is_empty() {
         let batch: Vec<&OrderCreate> = attempt.iter().map(|&i| messages[i]).collect();
-        let owned: Vec<OwnedParams> = batch
-            .iter()
-            .zip(pool_sizes(&batch))
-            .map(|(m, pool)| OwnedParams::new(m, pool))
-            .collect();
-        let args: Vec<[&(dyn ToSql + Sync); ORDER_CREATE_PARAMS]> = batch
-            .iter()
-            .zip(&owned)
-            .map(|(m, o)| -> [&(dyn ToSql + Sync); ORDER_CREATE_PARAMS] {
-                [
-                    &consumer_group,
-                    &m.message_id,
-                    &m.reservation_id,
-                    &m.request_id,
-                    &o.activity_id,
-                    &o.sku_id,
-                    &o.user_id,
-                    &o.reserved_at,
-                    &o.expires_at,
-                    &now,
-                    &o.order_id,
-                    &o.pool_size,
-                ]
-            })
-            .collect();
-        let mut requests: Vec<Pending<'_>> = Vec::with_capacity(1 + batch.len());
-        requests.push(exec(pg, &statements.begin));
-        for message_args in &args {
-            requests.push(call(pg, &statements.order_create, message_args));
-        }
-        let mut results = pipeline(requests).await.into_iter();
-        next_result(&mut results)?; // BEGIN: fails only if the connection broke.
-        let mut written: Vec<WriteOutcome> = Vec::with_capacity(batch.len());
-        let mut failed: Option<(usize, WriteOutcome)> = None;
-        for position in 0..batch.len() {
-            match results.next() {
-                Some(Ok(Some(row))) => written.push(outcome_from_row(&row)?),
-                Some(Err(error)) => {
-                    if error.code().is_none() {
-                        // Not the server refusing a statement: the connection is in doubt.
-                        return Err(error.into());
-                    }
-                    failed = Some((position, outcome_from_error(&error)));
-                    break;
+        match call_round(pg, &statements, consumer_group, &batch, &now).await? {
+            Round::Failed { position, outcome } => {
+                // Everything after the failure failed unexecuted: undo, and redo without it.
+                pg.execute(&statements.rollback, &[]).await?;
+                let index = attempt.remove(position);
+                outcomes[index] = Some(outcome);
+            }
+            Round::Answered(written) => {
+                finish(pg, &statements, &batch, &written, now_ms).await?;
+                for (index, outcome) in attempt.iter().zip(written) {
+                    outcomes[*index] = Some(outcome);
                 }
-                Some(Ok(None)) | None => {
-                    return Err(PgError::InvalidArgument("pipeline returned no row for a call"))
-                }
+                break;
             }
         }
-        if let Some((position, outcome)) = failed {
-            // Everything after the failure failed unexecuted: undo, and redo without it.
-            pg.execute(&statements.rollback, &[]).await?;
-            let index = attempt.remove(position);
-            outcomes[index] = Some(outcome);
-            continue;
-        }
-        finish(pg, &statements, &batch, &written, now_ms).await?;
-        for (index, outcome) in attempt.iter().zip(written) {
-            outcomes[*index] = Some(outcome);
-        }
-        break;
     }
     outcomes
         .into_iter()
         .map(|o| o.ok_or(PgError::InvalidArgument("a message of the batch got no outcome")))
         .collect()
+}
+
+/// What one round of `flashsale_order_create` calls answered (nothing committed yet).
+enum Round {
+    /// Every call answered: the outcomes, in batch order.
+    Answered(Vec<WriteOutcome>),
+    /// The call at `position` failed, and every call after it with it (unexecuted).
+    Failed { position: usize, outcome: WriteOutcome },
+}
+
+/// BEGIN and one call per message of `batch`, pipelined (one round trip); the answers up to
+/// the first call that failed.
+async fn call_round(
+    pg: &tokio_postgres::Client,
+    statements: &Statements,
+    consumer_group: &str,
+    batch: &[&OrderCreate],
+    now: &SystemTime,
+) -> Result<Round, PgError> {
+    let owned: Vec<OwnedParams> =
+        batch.iter().zip(pool_sizes(batch)).map(|(m, pool)| OwnedParams::new(m, pool)).collect();
+    let args: Vec<[&(dyn ToSql + Sync); ORDER_CREATE_PARAMS]> = batch
+        .iter()
+        .zip(&owned)
+        .map(|(m, o)| -> [&(dyn ToSql + Sync); ORDER_CREATE_PARAMS] {
+            [
+                &consumer_group,
+                &m.message_id,
+                &m.reservation_id,
+                &m.request_id,
+                &o.activity_id,
+                &o.sku_id,
+                &o.user_id,
+                &o.reserved_at,
+                &o.expires_at,
+                now,
+                &o.order_id,
+                &o.pool_size,
+            ]
+        })
+        .collect();
+    let mut requests: Vec<Pending<'_>> = Vec::with_capacity(1 + batch.len());
+    requests.push(exec(pg, &statements.begin));
+    for message_args in &args {
+        requests.push(call(pg, &statements.order_create, message_args));
+    }
+    let mut results = pipeline(requests).await.into_iter();
+    next_result(&mut results)?; // BEGIN: fails only if the connection broke.
+    read_round(&mut results, batch.len())
+}
+
+/// The answers of a round's `calls` (after BEGIN's), up to the first that failed.
+fn read_round(
+    results: &mut impl Iterator<Item = Result<Option<Row>, tokio_postgres::Error>>,
+    calls: usize,
+) -> Result<Round, PgError> {
+    let mut written: Vec<WriteOutcome> = Vec::with_capacity(calls);
+    for position in 0..calls {
+        match results.next() {
+            Some(Ok(Some(row))) => written.push(outcome_from_row(&row)?),
+            Some(Err(error)) => {
+                if error.code().is_none() {
+                    // Not the server refusing a statement: the connection is in doubt.
+                    return Err(error.into());
+                }
+                return Ok(Round::Failed { position, outcome: outcome_from_error(&error) });
+            }
+            Some(Ok(None)) | None => {
+                return Err(PgError::InvalidArgument("pipeline returned no row for a call"))
+            }
+        }
+    }
+    Ok(Round::Answered(written))
 }
 
 /// Gives back unused ROW units, writes the events of the outcomes and commits, in one round

@@ -131,11 +131,19 @@ pub const fn order_writers_for_pg_cores(pg_cores: usize) -> usize {
 }
 
 impl WorkerConfig {
-    /// Refuses settings that cannot work, with a message naming the knob.
+    /// Refuses settings that cannot work, with a message naming the knob (the first one found,
+    /// in this order: the pool, the log, the closer, the tasks, the batches, the timings).
     pub fn validate(&self) -> Result<(), PgError> {
         self.pg.validate()?;
         self.log.validate()?;
         self.closer.validate()?;
+        self.validate_tasks()?;
+        self.validate_batches()?;
+        self.validate_timings()
+    }
+
+    /// Task counts, against each other and the connection budget.
+    fn validate_tasks(&self) -> Result<(), PgError> {
         let bad = |message: String| Err(PgError::Config(message));
         if self.runtime_threads == 0 || self.order_writers == 0 || self.outbox_publishers == 0 {
             return bad("runtime_threads, order_writers and outbox_publishers must be >= 1".into());
@@ -154,6 +162,12 @@ impl WorkerConfig {
                 self.pg.pool_size
             ));
         }
+        Ok(())
+    }
+
+    /// Batch and pull sizes, against each other and the log's bounds.
+    fn validate_batches(&self) -> Result<(), PgError> {
+        let bad = |message: String| Err(PgError::Config(message));
         if !(1..=BATCH_MAX).contains(&self.batch_max) {
             return bad(format!("batch_max {} must be within 1..={BATCH_MAX}", self.batch_max));
         }
@@ -184,6 +198,12 @@ impl WorkerConfig {
                 self.outbox_batch_max, self.log.publish_acks_outstanding_max
             ));
         }
+        Ok(())
+    }
+
+    /// Delays and intervals: positive, and an idle pull shorter than the ack wait.
+    fn validate_timings(&self) -> Result<(), PgError> {
+        let bad = |message: String| Err(PgError::Config(message));
         if self.nak_backoff_ms.contains(&0) {
             return bad("nak_backoff_ms entries must be positive".into());
         }
