@@ -30,6 +30,8 @@
 //!
 //! Read next: `plan.rs`, `migrations/0004_order_create_set.sql`.
 
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::SystemTime;
 
 use deadpool_postgres::ClientWrapper;
@@ -115,12 +117,14 @@ async fn attempt(
         Ok(facts) => facts,
         Err(refused) => return Ok(refused),
     };
-    let plan = match plan::plan(messages, &facts, now_ms) {
-        Ok(plan) => plan,
-        Err(inconsistent) => {
+    let planned = catch_unwind(AssertUnwindSafe(|| plan::plan(messages, &facts, now_ms)));
+    let plan = match planned {
+        Ok(Ok(plan)) => plan,
+        Ok(Err(inconsistent)) => {
             client.execute(&statements.rollback, &[]).await?;
             return Ok(Attempt::Refused(Refusal::Inconsistent, inconsistent.0.to_owned()));
         }
+        Err(breach) => return Err(stop_on_breach(client, statements, messages, breach).await),
     };
     let apply = ApplyColumns::new(consumer_group, messages, &plan);
     let apply_args = apply.args();
@@ -152,6 +156,34 @@ async fn attempt(
         }
     }
     Ok(refused.unwrap_or(Attempt::Committed(plan.outcomes)))
+}
+
+/// The plan broke an invariant of the sale (`plan.rs` asserted it; its panic message, already
+/// written by the panic hook, names the invariant and the ids): the transaction is rolled back
+/// here, so that nothing of the batch commits even if this connection goes back to its pool
+/// and is used again, and the panic carries on. Nothing is acked: the caller never sees an
+/// outcome. Never returns; typed as the attempt's error so that the call site reads as one.
+async fn stop_on_breach(
+    client: &tokio_postgres::Client,
+    statements: &Statements,
+    messages: &[&OrderCreate],
+    breach: Box<dyn Any + Send>,
+) -> PgError {
+    let text = breach
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| breach.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)");
+    let first = messages.first().map_or("", |m| m.reservation_id.as_str());
+    tracing::error!(
+        size = messages.len(),
+        first_reservation_id = first,
+        breach = text,
+        "set batch stopped: its plan breaks an invariant of the sale; rolled back, nothing acked"
+    );
+    // If the rollback fails the connection is broken, which ends the transaction too.
+    let _ = client.execute(&statements.rollback, &[]).await;
+    resume_unwind(breach)
 }
 
 /// BEGIN and the facts, in one round trip. `Ok(Err(refused))`: the server refused the facts
