@@ -1,6 +1,8 @@
-//! The lag task: every `lag_poll_ms`, the `order-writer` consumer's pending count and oldest
-//! pending age from JetStream (into [`flashsale_io::log::LogLag`], which the edge's admission
-//! reads, and gauges) and the outbox backlog from PostgreSQL (a gauge).
+//! The lag task: how far the durable pipeline is behind, polled for the edge and the gauges.
+//!
+//! What it is: [`run`]: every `lag_poll_ms`, the `order-writer` consumer's pending count and
+//! oldest pending age from JetStream (into [`flashsale_io::log::LogLag`], which the edge's
+//! admission reads, and gauges) and the outbox backlog from PostgreSQL (a gauge).
 //!
 //! What it is not: a decision: admission reads the lag (`engine`), alerts read the gauges.
 //!

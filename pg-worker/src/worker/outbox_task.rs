@@ -1,6 +1,10 @@
-//! The outbox task: [`crate::outbox::publish_once`] in a loop, the next round at once while
+//! The outbox task: the committed `event_outbox` rows published to `SECKILL_EVENTS`, round
+//! after round.
+//!
+//! What it is: [`run`], [`crate::outbox::publish_once`] in a loop, the next round at once while
 //! rounds come back full, else after `outbox_idle_ms`; on stop, one final round drains what was
-//! committed. `outbox_publishers` of these run at once (`SKIP LOCKED` keeps them apart).
+//! committed. `outbox_publishers` of these run at once (`SKIP LOCKED` keeps them apart). A
+//! round that fails discards its connection (it may be mid-transaction).
 //!
 //! What it is not: the round itself (`outbox.rs`: claim, publish with `Nats-Msg-Id`, mark).
 //!
