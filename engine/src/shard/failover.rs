@@ -6,7 +6,7 @@
 //!
 //! 1. a Redis that lost the SKU altogether (no `meta`) is preheated again from PostgreSQL's
 //!    truth: its configuration, and as stock the units PostgreSQL can still sell
-//!    (`pg_worker::edge::sellable_units`) — never the initial stock, which would sell again
+//!    (`pg_worker::sku::sellable_units`) — never the initial stock, which would sell again
 //!    what PostgreSQL already sold;
 //! 2. the SKU reopens after a reconcile against PostgreSQL passes (its report lists every
 //!    reservation PostgreSQL has and Redis lost);
