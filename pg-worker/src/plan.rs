@@ -319,6 +319,10 @@ impl<'m, 'f> Planner<'m, 'f> {
             }
             Units::Closed => return Err(InconsistentFacts("a closed SKU gave a unit")),
         }
+        let token = match token {
+            Some(_) if self.bugs.unlocked_token => Some(INJECTED_TOKEN),
+            token => token,
+        };
         Ok(self.finish_created(position, m, token.map(str::to_owned), claim_us))
     }
 
@@ -443,6 +447,9 @@ struct InjectedBugs {
     extra_unit: bool,
     /// `plan_bug.reuse_token`: a TOKEN order does not use its token up.
     reuse_token: bool,
+    /// `plan_bug.unlocked_token`: a TOKEN order holds a made-up token instead of the one it
+    /// took.
+    unlocked_token: bool,
     /// `plan_bug.row_sale_uncounted`: a ROW order is not counted against the counter.
     row_sale_uncounted: bool,
     /// `plan_bug.forget_held_orders`: the facts' buyers already holding an order are dropped.
@@ -451,7 +458,7 @@ struct InjectedBugs {
     skip_buyer_check: bool,
 }
 
-/// The made-up token of `plan_bug.extra_unit`.
+/// The made-up token of `plan_bug.extra_unit` and `plan_bug.unlocked_token`.
 const INJECTED_TOKEN: &str = "tok_injected_by_plan_bug";
 
 impl InjectedBugs {
@@ -459,6 +466,7 @@ impl InjectedBugs {
         InjectedBugs {
             extra_unit: bug_injected("plan_bug.extra_unit"),
             reuse_token: bug_injected("plan_bug.reuse_token"),
+            unlocked_token: bug_injected("plan_bug.unlocked_token"),
             row_sale_uncounted: bug_injected("plan_bug.row_sale_uncounted"),
             forget_held_orders: bug_injected("plan_bug.forget_held_orders"),
             skip_buyer_check: bug_injected("plan_bug.skip_buyer_check"),

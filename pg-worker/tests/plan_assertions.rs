@@ -9,6 +9,7 @@
 //! |---------------------------------|-----------------------------|----------------------------|
 //! | `plan_bug.extra_unit`           | sells one unit too many     | I1: orders <= sellable units |
 //! | `plan_bug.reuse_token`          | gives one token twice       | I1: one token per order    |
+//! | `plan_bug.unlocked_token`       | gives a token it did not lock | I1: a locked token per order |
 //! | `plan_bug.row_sale_uncounted`   | forgets to lower a ROW counter | I1: counter lowered by its orders |
 //! | `plan_bug.forget_held_orders`   | drops "already holds an order" | I2: none for a buyer holding one |
 //! | `plan_bug.skip_buyer_check`     | lets a buyer's second message through | I2: never two orders per buyer |
@@ -143,6 +144,18 @@ fn a_token_given_twice_is_refused() {
     assert!(breach.contains("I1 (no oversell): token t1"), "{breach}");
     assert!(breach.contains("planned for reservations resv_a and resv_b"), "{breach}");
     assert_eq!(sound.outcomes, vec![created(&a, Some("t1")), created(&b, Some("t2"))]);
+}
+
+#[test]
+fn a_token_the_batch_did_not_lock_is_refused() {
+    let a = message("a", 2, 7);
+    let batch = [&a];
+    let facts = facts(&batch, tokens(&["t1"]));
+    let (breach, sound) = with_and_without("plan_bug.unlocked_token", &batch, &facts);
+    assert!(breach.contains("I1 (no oversell): reservation resv_a"), "{breach}");
+    assert!(breach.contains("(activity 1, sku 2, user 7)"), "{breach}");
+    assert!(breach.contains("which is not a token locked for its SKU"), "{breach}");
+    assert_eq!(sound.outcomes, vec![created(&a, Some("t1"))]);
 }
 
 #[test]
