@@ -244,14 +244,22 @@ pub async fn check_invariants(
     Ok(report)
 }
 
-/// The rules, over the counts (sans-I/O, unit-tested below).
+/// The rules, over the counts (sans-I/O, unit-tested below), in the module documentation's
+/// order: I1 and I2, I3, I7.
 pub fn judge(r: &InvariantReport) -> Vec<String> {
     let mut v = Vec::new();
     if !r.sku_found {
         v.push(format!("sku ({}, {}) not found", r.activity_id, r.sku_id));
         return v;
     }
-    // I1
+    judge_oversell_and_buyers(r, &mut v);
+    judge_conservation(r, &mut v);
+    judge_ack_after_commit(r, &mut v);
+    v
+}
+
+/// I1 (no oversell) and I2 (one order per buyer).
+fn judge_oversell_and_buyers(r: &InvariantReport, v: &mut Vec<String>) {
     if r.orders_live > r.total_stock {
         v.push(format!(
             "I1 oversell: {} live orders for a stock of {}",
@@ -267,38 +275,15 @@ pub fn judge(r: &InvariantReport) -> Vec<String> {
             r.orders_without_held_token
         ));
     }
-    // I2
     if r.duplicate_buyers > 0 {
         v.push(format!("I2: {} buyers have more than one order", r.duplicate_buyers));
     }
-    // I3
+}
+
+/// I3 (token conservation) for the SKU's allocator; ROW's counter also answers for I1.
+fn judge_conservation(r: &InvariantReport, v: &mut Vec<String>) {
     match r.allocator.as_str() {
-        "TOKEN" => {
-            if r.tokens_total != r.total_stock {
-                v.push(format!(
-                    "I3: {} tokens for a total stock of {}",
-                    r.tokens_total, r.total_stock
-                ));
-            }
-            let by_status =
-                r.tokens_available + r.tokens_claimed + r.tokens_sold + r.tokens_released;
-            if by_status != r.tokens_total {
-                v.push(format!("I3: token states sum to {by_status}, not {}", r.tokens_total));
-            }
-            if r.tokens_claimed + r.tokens_sold != r.orders_live {
-                v.push(format!(
-                    "I3: {} held tokens but {} live orders",
-                    r.tokens_claimed + r.tokens_sold,
-                    r.orders_live
-                ));
-            }
-            if r.held_tokens_without_order > 0 {
-                v.push(format!(
-                    "I3: {} held tokens have no live order",
-                    r.held_tokens_without_order
-                ));
-            }
-        }
+        "TOKEN" => judge_tokens(r, v),
         "ROW" => {
             let available = r.available_stock.unwrap_or(-1);
             if available < 0 || available + r.orders_live != r.total_stock {
@@ -310,7 +295,31 @@ pub fn judge(r: &InvariantReport) -> Vec<String> {
         }
         other => v.push(format!("unknown allocator {other:?}")),
     }
-    // I7
+}
+
+/// I3 for the TOKEN allocator: tokens = stock = the sum of their states, held = live orders.
+fn judge_tokens(r: &InvariantReport, v: &mut Vec<String>) {
+    if r.tokens_total != r.total_stock {
+        v.push(format!("I3: {} tokens for a total stock of {}", r.tokens_total, r.total_stock));
+    }
+    let by_status = r.tokens_available + r.tokens_claimed + r.tokens_sold + r.tokens_released;
+    if by_status != r.tokens_total {
+        v.push(format!("I3: token states sum to {by_status}, not {}", r.tokens_total));
+    }
+    if r.tokens_claimed + r.tokens_sold != r.orders_live {
+        v.push(format!(
+            "I3: {} held tokens but {} live orders",
+            r.tokens_claimed + r.tokens_sold,
+            r.orders_live
+        ));
+    }
+    if r.held_tokens_without_order > 0 {
+        v.push(format!("I3: {} held tokens have no live order", r.held_tokens_without_order));
+    }
+}
+
+/// I7 (ack after commit), from the database's side.
+fn judge_ack_after_commit(r: &InvariantReport, v: &mut Vec<String>) {
     if r.reservations_processing > 0 {
         v.push(format!("I7: {} reservations committed as PROCESSING", r.reservations_processing));
     }
@@ -329,7 +338,6 @@ pub fn judge(r: &InvariantReport) -> Vec<String> {
     if r.duplicate_claims > 0 {
         v.push(format!("I7: {} reservations claimed twice in the ledger", r.duplicate_claims));
     }
-    v
 }
 
 #[cfg(test)]

@@ -14,8 +14,8 @@
 //! (and the first orders of the burst commit only after it); growing from `fetch_min` starts
 //! every writer with a short transaction and reaches the bound after log2(max/min) pulls.
 //!
-//! What it is not: the pull itself (`worker.rs`), nor the bounds' validation
-//! (`WorkerConfig::validate`).
+//! What it is not: the pull itself (`worker/order_writer_task.rs`), nor the bounds'
+//! validation (`worker/config.rs`, `WorkerConfig::validate`).
 
 /// The next pull's size.
 #[derive(Debug, Clone, PartialEq, Eq)]

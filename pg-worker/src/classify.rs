@@ -16,10 +16,10 @@
 //!   drift should get the redeliveries' time to be noticed, and `max_deliver` still bounds it
 //!   (the asymmetry argued in `error.rs`).
 //!
-//! What it is not: the transaction, the acks or the publishing (`order_writer.rs`,
-//! `worker.rs`). No clock: `now_ms` and delivery counts are arguments.
+//! What it is not: the transaction, the acks or the publishing (`order_path.rs`,
+//! `worker/`). No clock: `now_ms` and delivery counts are arguments.
 //!
-//! Read next: `order_writer.rs`.
+//! Read next: `order_path.rs`.
 
 use flashsale_io::wire::{DecodeError, OrderCreate, RejectReason, ReservationEvent};
 

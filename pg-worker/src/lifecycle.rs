@@ -22,8 +22,8 @@
 use serde_json::json;
 use tokio_postgres::{Client, GenericClient};
 
-use crate::edge::Allocator;
 use crate::error::PgError;
+use crate::sku::{insert_sku, Allocator, SkuSpec};
 use crate::tokens::TOKENS_PER_SKU_MAX;
 
 /// Longest `actor` recorded (the table's check).
@@ -43,40 +43,6 @@ pub struct SkuSnapshot {
     pub meta_version: i64,
     pub total_stock: i64,
     pub release_policy: String,
-}
-
-/// A validated `POST /admin/v1/activities/{a}/skus` body.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SkuSpec {
-    pub activity_id: i64,
-    pub sku_id: i64,
-    pub stock: i64,
-    pub allocator: Allocator,
-    /// The unit price (`sku_inventory.price_cents`); an order's amount comes from it.
-    pub price_cents: Option<i64>,
-}
-
-impl SkuSpec {
-    /// The canonical text whose equality decides "same body" (also written by
-    /// `edge::create_activity` for the activity's first SKU).
-    pub fn config_hash(&self) -> String {
-        sku_config_hash(self.sku_id, self.stock, self.allocator, self.price_cents)
-    }
-}
-
-/// A SKU without a price hashes as before prices existed, so bodies sent before then are
-/// still "the same body".
-pub fn sku_config_hash(
-    sku_id: i64,
-    stock: i64,
-    allocator: Allocator,
-    price_cents: Option<i64>,
-) -> String {
-    let base = format!("sku-v1|{sku_id}|{stock}|{}", allocator.as_str());
-    match price_cents {
-        None => base,
-        Some(price) => format!("{base}|price={price}"),
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -188,32 +154,6 @@ async fn record(
             ],
         )
         .await?;
-    Ok(())
-}
-
-/// THE insert of a new SKU: its row (with its config hash) and its stock (tokens, or the ROW
-/// counter); for `add_sku` and `edge::create_activity` alike.
-pub async fn insert_sku(client: &impl GenericClient, spec: &SkuSpec) -> Result<(), PgError> {
-    let available: Option<i64> = (spec.allocator == Allocator::Row).then_some(spec.stock);
-    client
-        .execute(
-            "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, \
-                                        available_stock, config_hash, price_cents) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            &[
-                &spec.activity_id,
-                &spec.sku_id,
-                &spec.stock,
-                &spec.allocator.as_str(),
-                &available,
-                &spec.config_hash(),
-                &spec.price_cents,
-            ],
-        )
-        .await?;
-    if spec.allocator == Allocator::Token {
-        crate::tokens::generate_tokens(client, spec.activity_id, spec.sku_id, spec.stock).await?;
-    }
     Ok(())
 }
 
@@ -384,28 +324,13 @@ pub async fn top_up(
     if lock_activity(&tx, activity_id).await?.is_none() {
         return Ok(Err(Change::NotFound));
     }
-    let row = tx
-        .query_opt(
-            "SELECT s.allocator, s.total_stock, \
-                    CASE WHEN a.status = 'TERMINATED' OR s.status = 'TERMINATED' THEN 'TERMINATED' \
-                         WHEN a.status = 'ENDED' OR s.status = 'ENDED' THEN 'ENDED' \
-                         ELSE 'ACTIVE' END \
-             FROM sku_inventory s JOIN activity a ON a.activity_id = s.activity_id \
-             WHERE s.activity_id = $1 AND s.sku_id = $2 FOR UPDATE OF s",
-            &[&activity_id, &sku_id],
-        )
-        .await?;
-    let Some(row) = row else { return Ok(Err(Change::NotFound)) };
+    let Some(row) = lock_sku_for_top_up(&tx, activity_id, sku_id).await? else {
+        return Ok(Err(Change::NotFound));
+    };
     if let Some(request_id) = request_id {
-        let done = tx
-            .query_opt(
-                "SELECT version, (detail->>'add')::int8 FROM activity_change \
-                 WHERE activity_id = $1 AND sku_id = $2 AND request_id = $3",
-                &[&activity_id, &sku_id, &request_id],
-            )
-            .await?;
-        if let Some(done) = done {
-            let (version, recorded_add): (i64, i64) = (done.get(0), done.get(1));
+        if let Some((version, recorded_add)) =
+            earlier_top_up(&tx, activity_id, sku_id, request_id).await?
+        {
             if recorded_add != add {
                 return Ok(Err(Change::Refused { current: "CONFLICT".into() }));
             }
@@ -422,20 +347,7 @@ pub async fn top_up(
     if total.saturating_add(add) > TOKENS_PER_SKU_MAX {
         return Err(PgError::InvalidArgument("stock would exceed TOKENS_PER_SKU_MAX"));
     }
-    if allocator == Allocator::Token.as_str() {
-        tx.execute(crate::tokens::GENERATE_MORE_TOKENS_SQL, &[&activity_id, &sku_id, &total, &add])
-            .await?;
-    }
-    let version: i64 = tx
-        .query_one(
-            "UPDATE sku_inventory SET total_stock = total_stock + $3, \
-                    available_stock = available_stock + $3, version = version + 1, \
-                    updated_at = now() \
-             WHERE activity_id = $1 AND sku_id = $2 RETURNING version",
-            &[&activity_id, &sku_id, &add],
-        )
-        .await?
-        .get(0);
+    let version = add_units(&tx, activity_id, sku_id, &allocator, total, add).await?;
     let detail = json!({"add": add, "total_stock": total + add});
     let row = ChangeRow {
         activity_id,
@@ -450,6 +362,75 @@ pub async fn top_up(
     tx.commit().await?;
     let snapshot = found.pop().ok_or(PgError::InvalidArgument("the SKU vanished"))?;
     Ok(Ok(TopUp { version, add, snapshot }))
+}
+
+/// The SKU's allocator, total stock and effective status, its row locked for the top-up.
+/// `None`: no such SKU.
+async fn lock_sku_for_top_up(
+    client: &impl GenericClient,
+    activity_id: i64,
+    sku_id: i64,
+) -> Result<Option<tokio_postgres::Row>, PgError> {
+    Ok(client
+        .query_opt(
+            "SELECT s.allocator, s.total_stock, \
+                    CASE WHEN a.status = 'TERMINATED' OR s.status = 'TERMINATED' THEN 'TERMINATED' \
+                         WHEN a.status = 'ENDED' OR s.status = 'ENDED' THEN 'ENDED' \
+                         ELSE 'ACTIVE' END \
+             FROM sku_inventory s JOIN activity a ON a.activity_id = s.activity_id \
+             WHERE s.activity_id = $1 AND s.sku_id = $2 FOR UPDATE OF s",
+            &[&activity_id, &sku_id],
+        )
+        .await?)
+}
+
+/// The top-up recorded under `request_id` for this SKU, as (the SKU's version it made, the
+/// units it added).
+async fn earlier_top_up(
+    client: &impl GenericClient,
+    activity_id: i64,
+    sku_id: i64,
+    request_id: &str,
+) -> Result<Option<(i64, i64)>, PgError> {
+    let done = client
+        .query_opt(
+            "SELECT version, (detail->>'add')::int8 FROM activity_change \
+             WHERE activity_id = $1 AND sku_id = $2 AND request_id = $3",
+            &[&activity_id, &sku_id, &request_id],
+        )
+        .await?;
+    Ok(done.map(|done| (done.get(0), done.get(1))))
+}
+
+/// The new units: tokens `total + 1 ..= total + add` (TOKEN), and `total_stock` and
+/// `available_stock` raised by `add`; returns the SKU's new version.
+async fn add_units(
+    client: &impl GenericClient,
+    activity_id: i64,
+    sku_id: i64,
+    allocator: &str,
+    total: i64,
+    add: i64,
+) -> Result<i64, PgError> {
+    if allocator == Allocator::Token.as_str() {
+        client
+            .execute(
+                crate::tokens::GENERATE_MORE_TOKENS_SQL,
+                &[&activity_id, &sku_id, &total, &add],
+            )
+            .await?;
+    }
+    let version: i64 = client
+        .query_one(
+            "UPDATE sku_inventory SET total_stock = total_stock + $3, \
+                    available_stock = available_stock + $3, version = version + 1, \
+                    updated_at = now() \
+             WHERE activity_id = $1 AND sku_id = $2 RETURNING version",
+            &[&activity_id, &sku_id, &add],
+        )
+        .await?
+        .get(0);
+    Ok(version)
 }
 
 /// Sets what a cancelled or closed order's unit becomes (`BACK_TO_SALE` or `RELEASED`).

@@ -1,20 +1,9 @@
-//! The order transaction: several order-create messages in ONE PostgreSQL transaction, every
-//! message's outcome preserved, committed before anything is acked (DESIGN.md section 5).
+//! The per-message path of the order transaction (migration 0002): up to [`BATCH_MAX`]
+//! order-create messages in ONE transaction, one `flashsale_order_create` call each, every
+//! message's outcome preserved, committed before anything is acked (DESIGN.md section 5). The
+//! set-based path's fallback, and the reference it is tested against (`order_path.rs` chooses).
 //!
-//! What it is: [`write_batch`] and its two ways of writing a batch ([`OrderPath`]):
-//!
-//! - **set-based** (the default; `set_writer.rs`, migration 0004): a fixed number of statements
-//!   per batch, whatever its size — the batch's facts read and its units locked in one call,
-//!   every outcome decided in Rust (`plan.rs`, sans I/O), the rows written in one call, the
-//!   events in one INSERT, COMMIT. Up to [`SET_BATCH_MAX`] messages. A batch it cannot write
-//!   (a message that fails a constraint, a buyer raced by a concurrent transaction) is rolled
-//!   back and written the per-message way, which isolates the failing message;
-//! - **per message** ([`write_batch_per_message`], migration 0002): one `flashsale_order_create`
-//!   call per message, up to [`BATCH_MAX`] per transaction. The fallback above, and the
-//!   reference the set-based path is tested against (tests/tests/order_writer.rs compares the
-//!   rows both produce for the same message sequences).
-//!
-//! The per-message path: each message is one call of `flashsale_order_create`
+//! What it is: [`write_batch_per_message`]. Each message is one call of `flashsale_order_create`
 //! (`migrations/0002_order_create.sql`: inbox, expiry/activity, claim, order, ledger,
 //! reservation), told how many messages of its SKU follow it in the batch so that the first
 //! claim of a SKU takes the units for all of them in one step (the transaction's "batch unit
@@ -45,132 +34,32 @@
 //! discard it (`deadpool_postgres::Object::take`), and NAK the batch; redelivery is safe
 //! because a committed message is found in the inbox.
 //!
-//! What it is not: the consumer loop, the acks or the metrics (`worker.rs`), the outcome rules
-//! (`classify.rs`, `plan.rs`).
+//! What it is not: the choice of path or the set-based fallback (`order_path.rs`), the
+//! statements' preparation and pipelining (`statements.rs`), the consumer loop, the acks or the
+//! metrics (`worker/`), the outcome rules (`classify.rs`).
 //!
-//! Read next: `set_writer.rs`, `plan.rs`, `classify.rs`, `worker.rs`.
+//! Read next: `order_path.rs`, `statements.rs`, `classify.rs`, `set_writer.rs`.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use deadpool_postgres::ClientWrapper;
 use flashsale_io::wire::{OrderCreate, RejectReason};
-use futures::future::{maybe_done, MaybeDone};
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Row, Statement};
+use tokio_postgres::Row;
 
-use crate::classify::{event_for, Recorded, WriteOutcome};
+use crate::batch_events::EventColumns;
+use crate::classify::{Recorded, WriteOutcome};
 use crate::error::PgError;
-use crate::sql;
+use crate::statements::{
+    call, describe, exec, next_result, pipeline, system_time, Pending, Statements,
+};
 
 /// Most messages in one transaction. Bounds the work a failed message makes the batch redo
 /// (O(n) per failure), the row locks one transaction holds, and the unit pool's text.
 pub const BATCH_MAX: usize = 64;
 
-/// Most messages in one set-based transaction (its arrays, the rows and token locks it holds,
-/// and what a fallback to the per-message path redoes). The worker's `fetch_max` is bounded
-/// by it.
-pub const SET_BATCH_MAX: usize = 1024;
-
 /// Parameters of `flashsale_order_create`.
 const ORDER_CREATE_PARAMS: usize = 12;
-
-/// How a batch is written (see the module documentation).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OrderPath {
-    /// Migration 0004: a fixed number of statements per batch (up to [`SET_BATCH_MAX`]);
-    /// a batch it cannot write goes the per-message way.
-    #[default]
-    SetBased,
-    /// Migration 0002: one function call per message (up to [`BATCH_MAX`] per transaction).
-    PerMessage,
-}
-
-/// Writes `messages` for `consumer_group` (the inbox key) the set-based way and returns each
-/// message's outcome, in input order, after COMMIT. `now_ms` is the clock reading expiry is
-/// judged against. See the module documentation for errors.
-pub async fn write_batch(
-    client: &ClientWrapper,
-    consumer_group: &str,
-    messages: &[&OrderCreate],
-    now_ms: u64,
-) -> Result<Vec<WriteOutcome>, PgError> {
-    write_batch_with(client, consumer_group, messages, now_ms, OrderPath::SetBased).await
-}
-
-/// [`write_batch`] by the given path. `PerMessage` with more than [`BATCH_MAX`] messages
-/// writes them in consecutive transactions of at most `BATCH_MAX`.
-pub async fn write_batch_with(
-    client: &ClientWrapper,
-    consumer_group: &str,
-    messages: &[&OrderCreate],
-    now_ms: u64,
-    path: OrderPath,
-) -> Result<Vec<WriteOutcome>, PgError> {
-    match path {
-        OrderPath::SetBased => {
-            crate::set_writer::write_set(client, consumer_group, messages, now_ms).await
-        }
-        OrderPath::PerMessage => {
-            write_per_message_chunks(client, consumer_group, messages, now_ms).await
-        }
-    }
-}
-
-/// What [`settle_expired`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Settled {
-    /// Recorded now: `REJECTED_EXPIRED`, with its `reservation_failed` event in the outbox
-    /// (redis-sync returns the unit and releases the buyer from it, once).
-    RejectedNow,
-    /// The message had reached the order-writer before: what it recorded stands, and is
-    /// announced again.
-    AlreadyRecorded(Recorded),
-}
-
-/// Settles the order-create message of a reservation that has expired, now, without the log:
-/// an operator's compensation of a stuck reservation (`flashsale admin stuck resolve
-/// --compensate`).
-///
-/// Why this cannot create a second outcome, whatever is still in flight: the order-writer's
-/// verdict on a message is decided by, in this order, its inbox row, a recorded row of its
-/// reservation, and its expiry; an expired reservation is rejected before any unit is touched
-/// (`flashsale_order_create` step 3; `plan.rs` rule 3). So every copy of this message that
-/// may still arrive — the original in the stream, a republish under any `Nats-Msg-Id`,
-/// after the duplicate window or inside it — would get `REJECTED_EXPIRED` too. This writes
-/// that verdict through the writer's own path, under the consumer group's inbox key and the
-/// reservation's primary key: a later copy finds the inbox row or the reservation row and is
-/// a duplicate that re-announces the same verdict, and a copy being written concurrently
-/// loses on one of those keys (its transaction fails and is retried as a duplicate). If the
-/// message reached the writer first, its recorded outcome wins instead (`AlreadyRecorded`).
-/// Nothing here waits for the duplicate window: the keys, not the window, are the proof.
-///
-/// `Err(InvalidArgument)` if the reservation has not expired at `now_ms` (then only a
-/// republish may resolve it: the writer could still create its order). On any other `Err`
-/// the connection may be mid-transaction and must be discarded, as for [`write_batch`].
-pub async fn settle_expired(
-    client: &ClientWrapper,
-    message: &OrderCreate,
-    now_ms: u64,
-) -> Result<Settled, PgError> {
-    if message.reservation_expires_at_ms > now_ms {
-        return Err(PgError::InvalidArgument("the reservation has not expired"));
-    }
-    let outcomes =
-        write_batch(client, flashsale_io::log::ORDER_WRITER_CONSUMER, &[message], now_ms).await?;
-    match outcomes.into_iter().next() {
-        Some(WriteOutcome::Rejected { reason: RejectReason::Expired, .. }) => {
-            Ok(Settled::RejectedNow)
-        }
-        Some(WriteOutcome::Duplicate { recorded }) => Ok(Settled::AlreadyRecorded(recorded)),
-        Some(WriteOutcome::Failed { error, .. }) => {
-            tracing::warn!(reservation_id = %message.reservation_id, %error, "settling an expired reservation failed");
-            Err(PgError::InvalidArgument("the order-writer's statement failed (see the log)"))
-        }
-        _ => Err(PgError::InvalidArgument("an expired reservation was not rejected as expired")),
-    }
-}
 
 /// The per-message path over any number of messages, [`BATCH_MAX`] per transaction.
 pub(crate) async fn write_per_message_chunks(
@@ -208,73 +97,99 @@ pub async fn write_batch_per_message(
     let mut attempt: Vec<usize> = (0..messages.len()).collect();
     while !attempt.is_empty() {
         let batch: Vec<&OrderCreate> = attempt.iter().map(|&i| messages[i]).collect();
-        let owned: Vec<OwnedParams> = batch
-            .iter()
-            .zip(pool_sizes(&batch))
-            .map(|(m, pool)| OwnedParams::new(m, pool))
-            .collect();
-        let args: Vec<[&(dyn ToSql + Sync); ORDER_CREATE_PARAMS]> = batch
-            .iter()
-            .zip(&owned)
-            .map(|(m, o)| -> [&(dyn ToSql + Sync); ORDER_CREATE_PARAMS] {
-                [
-                    &consumer_group,
-                    &m.message_id,
-                    &m.reservation_id,
-                    &m.request_id,
-                    &o.activity_id,
-                    &o.sku_id,
-                    &o.user_id,
-                    &o.reserved_at,
-                    &o.expires_at,
-                    &now,
-                    &o.order_id,
-                    &o.pool_size,
-                ]
-            })
-            .collect();
-        let mut requests: Vec<Pending<'_>> = Vec::with_capacity(1 + batch.len());
-        requests.push(exec(pg, &statements.begin));
-        for message_args in &args {
-            requests.push(call(pg, &statements.order_create, message_args));
-        }
-        let mut results = pipeline(requests).await.into_iter();
-        next_result(&mut results)?; // BEGIN: fails only if the connection broke.
-        let mut written: Vec<WriteOutcome> = Vec::with_capacity(batch.len());
-        let mut failed: Option<(usize, WriteOutcome)> = None;
-        for position in 0..batch.len() {
-            match results.next() {
-                Some(Ok(Some(row))) => written.push(outcome_from_row(&row)?),
-                Some(Err(error)) => {
-                    if error.code().is_none() {
-                        // Not the server refusing a statement: the connection is in doubt.
-                        return Err(error.into());
-                    }
-                    failed = Some((position, outcome_from_error(&error)));
-                    break;
+        match call_round(pg, &statements, consumer_group, &batch, &now).await? {
+            Round::Failed { position, outcome } => {
+                // Everything after the failure failed unexecuted: undo, and redo without it.
+                pg.execute(&statements.rollback, &[]).await?;
+                let index = attempt.remove(position);
+                outcomes[index] = Some(outcome);
+            }
+            Round::Answered(written) => {
+                finish(pg, &statements, &batch, &written, now_ms).await?;
+                for (index, outcome) in attempt.iter().zip(written) {
+                    outcomes[*index] = Some(outcome);
                 }
-                Some(Ok(None)) | None => {
-                    return Err(PgError::InvalidArgument("pipeline returned no row for a call"))
-                }
+                break;
             }
         }
-        if let Some((position, outcome)) = failed {
-            // Everything after the failure failed unexecuted: undo, and redo without it.
-            pg.execute(&statements.rollback, &[]).await?;
-            let index = attempt.remove(position);
-            outcomes[index] = Some(outcome);
-            continue;
-        }
-        finish(pg, &statements, &batch, &written, now_ms).await?;
-        for (index, outcome) in attempt.iter().zip(written) {
-            outcomes[*index] = Some(outcome);
-        }
-        break;
     }
     outcomes
         .into_iter()
         .map(|o| o.ok_or(PgError::InvalidArgument("a message of the batch got no outcome")))
         .collect()
+}
+
+/// What one round of `flashsale_order_create` calls answered (nothing committed yet).
+enum Round {
+    /// Every call answered: the outcomes, in batch order.
+    Answered(Vec<WriteOutcome>),
+    /// The call at `position` failed, and every call after it with it (unexecuted).
+    Failed { position: usize, outcome: WriteOutcome },
+}
+
+/// BEGIN and one call per message of `batch`, pipelined (one round trip); the answers up to
+/// the first call that failed.
+async fn call_round(
+    pg: &tokio_postgres::Client,
+    statements: &Statements,
+    consumer_group: &str,
+    batch: &[&OrderCreate],
+    now: &SystemTime,
+) -> Result<Round, PgError> {
+    let owned: Vec<OwnedParams> =
+        batch.iter().zip(pool_sizes(batch)).map(|(m, pool)| OwnedParams::new(m, pool)).collect();
+    let args: Vec<[&(dyn ToSql + Sync); ORDER_CREATE_PARAMS]> = batch
+        .iter()
+        .zip(&owned)
+        .map(|(m, o)| -> [&(dyn ToSql + Sync); ORDER_CREATE_PARAMS] {
+            [
+                &consumer_group,
+                &m.message_id,
+                &m.reservation_id,
+                &m.request_id,
+                &o.activity_id,
+                &o.sku_id,
+                &o.user_id,
+                &o.reserved_at,
+                &o.expires_at,
+                now,
+                &o.order_id,
+                &o.pool_size,
+            ]
+        })
+        .collect();
+    let mut requests: Vec<Pending<'_>> = Vec::with_capacity(1 + batch.len());
+    requests.push(exec(pg, &statements.begin));
+    for message_args in &args {
+        requests.push(call(pg, &statements.order_create, message_args));
+    }
+    let mut results = pipeline(requests).await.into_iter();
+    next_result(&mut results)?; // BEGIN: fails only if the connection broke.
+    read_round(&mut results, batch.len())
+}
+
+/// The answers of a round's `calls` (after BEGIN's), up to the first that failed.
+fn read_round(
+    results: &mut impl Iterator<Item = Result<Option<Row>, tokio_postgres::Error>>,
+    calls: usize,
+) -> Result<Round, PgError> {
+    let mut written: Vec<WriteOutcome> = Vec::with_capacity(calls);
+    for position in 0..calls {
+        match results.next() {
+            Some(Ok(Some(row))) => written.push(outcome_from_row(&row)?),
+            Some(Err(error)) => {
+                if error.code().is_none() {
+                    // Not the server refusing a statement: the connection is in doubt.
+                    return Err(error.into());
+                }
+                return Ok(Round::Failed { position, outcome: outcome_from_error(&error) });
+            }
+            Some(Ok(None)) | None => {
+                return Err(PgError::InvalidArgument("pipeline returned no row for a call"))
+            }
+        }
+    }
+    Ok(Round::Answered(written))
 }
 
 /// Gives back unused ROW units, writes the events of the outcomes and commits, in one round
@@ -304,75 +219,6 @@ async fn finish(
         result?;
     }
     Ok(())
-}
-
-/// The outbox rows of a batch's committed outcomes, as the three parallel arrays
-/// `INSERT_EVENTS_SQL` takes, in message order (so event ids follow it).
-pub(crate) struct EventColumns<'a> {
-    aggregate_ids: Vec<&'a str>,
-    event_types: Vec<&'static str>,
-    payloads: Vec<String>,
-}
-
-impl<'a> EventColumns<'a> {
-    pub(crate) fn new(
-        messages: &[&'a OrderCreate],
-        outcomes: &[WriteOutcome],
-        now_ms: u64,
-    ) -> Result<EventColumns<'a>, PgError> {
-        let mut columns = EventColumns {
-            aggregate_ids: Vec::with_capacity(messages.len()),
-            event_types: Vec::with_capacity(messages.len()),
-            payloads: Vec::with_capacity(messages.len()),
-        };
-        for (message, outcome) in messages.iter().zip(outcomes) {
-            if let Some(event) = event_for(message, outcome, now_ms) {
-                columns.aggregate_ids.push(&message.reservation_id);
-                columns.event_types.push(event.event_type.as_str());
-                columns.payloads.push(
-                    serde_json::to_string(&event)
-                        .map_err(|_| PgError::InvalidArgument("event does not serialize"))?,
-                );
-            }
-        }
-        Ok(columns)
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.payloads.is_empty()
-    }
-
-    pub(crate) fn args(&self) -> [&(dyn ToSql + Sync); 3] {
-        [&self.aggregate_ids, &self.event_types, &self.payloads]
-    }
-}
-
-/// Every statement a batch may send, prepared once per connection.
-pub(crate) struct Statements {
-    pub(crate) begin: Statement,
-    pub(crate) commit: Statement,
-    pub(crate) rollback: Statement,
-    pub(crate) order_create: Statement,
-    pub(crate) insert_events: Statement,
-    pub(crate) return_units: Statement,
-    pub(crate) order_facts: Statement,
-    pub(crate) order_apply: Statement,
-}
-
-impl Statements {
-    /// Cache hits after a connection's first batch (no round trip).
-    pub(crate) async fn prepare(client: &ClientWrapper) -> Result<Statements, PgError> {
-        Ok(Statements {
-            begin: client.prepare_cached(sql::BEGIN_SQL).await?,
-            commit: client.prepare_cached(sql::COMMIT_SQL).await?,
-            rollback: client.prepare_cached(sql::ROLLBACK_SQL).await?,
-            order_create: client.prepare_cached(sql::ORDER_CREATE_SQL).await?,
-            insert_events: client.prepare_cached(sql::INSERT_EVENTS_SQL).await?,
-            return_units: client.prepare_cached(sql::RETURN_UNITS_SQL).await?,
-            order_facts: client.prepare_cached(sql::ORDER_FACTS_SQL).await?,
-            order_apply: client.prepare_cached(sql::ORDER_APPLY_SQL).await?,
-        })
-    }
 }
 
 /// The per-message parameters that are not borrowed from the message.
@@ -418,10 +264,6 @@ fn pool_sizes(messages: &[&OrderCreate]) -> Vec<i32> {
         .collect()
 }
 
-pub(crate) fn system_time(unix_ms: u64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(unix_ms)
-}
-
 fn outcome_from_row(row: &Row) -> Result<WriteOutcome, PgError> {
     let outcome: &str = row.try_get(0)?;
     let recorded: Option<&str> = row.try_get(1)?;
@@ -458,62 +300,6 @@ fn outcome_from_error(error: &tokio_postgres::Error) -> WriteOutcome {
         transient: crate::error::sql_error_is_transient(error),
         error: describe(error),
     }
-}
-
-/// "SQLSTATE 40P01: deadlock detected" for server errors, the driver's text otherwise.
-pub fn describe(error: &tokio_postgres::Error) -> String {
-    match error.as_db_error() {
-        Some(db) => format!("SQLSTATE {}: {}", db.code().code(), db.message()),
-        None => error.to_string(),
-    }
-}
-
-pub(crate) fn next_result(
-    results: &mut impl Iterator<Item = Result<Option<Row>, tokio_postgres::Error>>,
-) -> Result<Option<Row>, PgError> {
-    match results.next() {
-        Some(result) => Ok(result?),
-        None => Err(PgError::InvalidArgument("pipeline returned fewer results than requests")),
-    }
-}
-
-pub(crate) type Pending<'a> =
-    Pin<Box<dyn Future<Output = Result<Option<Row>, tokio_postgres::Error>> + Send + 'a>>;
-
-pub(crate) fn exec<'a>(pg: &'a tokio_postgres::Client, statement: &'a Statement) -> Pending<'a> {
-    Box::pin(async move { pg.execute(statement, &[]).await.map(|_| None) })
-}
-
-pub(crate) fn call<'a>(
-    pg: &'a tokio_postgres::Client,
-    statement: &'a Statement,
-    args: &'a [&'a (dyn ToSql + Sync)],
-) -> Pending<'a> {
-    Box::pin(async move { pg.query_one(statement, args).await.map(Some) })
-}
-
-/// Runs `requests` pipelined: tokio-postgres sends a request when its future is first polled,
-/// so polling every future once, in order, puts them on the wire back-to-back in that order;
-/// the server executes them in that order and the responses come back in it.
-pub(crate) async fn pipeline(
-    requests: Vec<Pending<'_>>,
-) -> Vec<Result<Option<Row>, tokio_postgres::Error>> {
-    let mut slots: Vec<MaybeDone<Pending<'_>>> = requests.into_iter().map(maybe_done).collect();
-    for slot in slots.iter_mut() {
-        // Sends the request; the result (if already there) stays in the slot.
-        let _ = futures::poll!(&mut *slot);
-    }
-    for slot in slots.iter_mut() {
-        (&mut *slot).await;
-    }
-    slots
-        .iter_mut()
-        .map(|slot| match Pin::new(slot).take_output() {
-            Some(result) => result,
-            // Every slot was awaited to completion just above.
-            None => unreachable!("pipelined request without an output"),
-        })
-        .collect()
 }
 
 #[cfg(test)]

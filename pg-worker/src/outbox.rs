@@ -9,7 +9,7 @@
 //! republishes the same events with the same message ids: JetStream drops the duplicates
 //! inside its window, and `redis-sync` applies each event idempotently after it.
 //!
-//! What it is not: the loop or its pacing (`worker.rs`), nor an ordering guarantee across
+//! What it is not: the loop or its pacing (`worker/outbox_task.rs`), nor an ordering guarantee across
 //! publishers (events of one reservation are produced by one transaction, and `redis-sync`'s
 //! Lua functions are order-tolerant: a final outcome is never overwritten).
 //!

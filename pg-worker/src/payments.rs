@@ -31,7 +31,7 @@
 //!   0005's trigger).
 //!
 //! What it is not: HTTP or signature checking (`engine::shard::orders`), the periodic loop
-//! (`worker.rs`), Redis (the `order_cancelled` event is applied by `redis-sync`).
+//! (`worker/closer_task.rs`), Redis (the `order_cancelled` event is applied by `redis-sync`).
 //!
 //! Metrics (no ids as labels): `flashsale_payment_callbacks_total{outcome}`,
 //! `flashsale_orders_released_total{kind=cancel|close}`.

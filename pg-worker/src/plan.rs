@@ -32,10 +32,22 @@
 //! final guards: the orders insert raises FS001 if a buyer the facts did not show got there
 //! first, and every constraint of migration 0001 holds.
 //!
-//! What it is not: the SQL (`migrations/0004_order_create_set.sql`, `sql.rs`), the transaction
-//! (`order_writer.rs`), or the settlement of deliveries (`classify.rs`).
+//! Asserted here, in release builds too, on every plan before anything of it is written
+//! (`assert_keeps_the_sale`): I1, no oversell — per SKU no more orders than the units the
+//! facts show sellable for this batch, each TOKEN order on its own token locked for its SKU,
+//! each ROW counter lowered by exactly its orders; I2, one order per buyer — never two orders
+//! for one (activity, SKU, user), and none for a buyer who already holds one. A breach is a bug
+//! in this file, and the writes would oversell or double an order (some of it PostgreSQL's
+//! constraints would refuse, not all: nothing checks a ROW counter against the orders): the
+//! panic names the invariant and the ids, and the caller rolls back (`set_writer.rs`), so
+//! nothing of the batch commits and nothing is acked. Test-only planning bugs
+//! (`InjectedBugs`, the `failpoints` feature) make each assertion fire in
+//! `pg-worker/tests/plan_assertions.rs`.
 //!
-//! Read next: `order_writer.rs` (`write_batch`), `migrations/0004_order_create_set.sql`.
+//! What it is not: the SQL (`migrations/0004_order_create_set.sql`, `sql.rs`), the transaction
+//! (`set_writer.rs`), or the settlement of deliveries (`classify.rs`).
+//!
+//! Read next: `set_writer.rs` (`write_set_once`), `migrations/0004_order_create_set.sql`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
@@ -180,6 +192,7 @@ struct Planner<'m, 'f> {
     ordered: HashSet<(u64, u64, u64)>,
     skus: HashMap<SkuKey, SkuState<'f>>,
     plan: Plan,
+    bugs: InjectedBugs,
 }
 
 /// Plans `messages` (in batch order) from `facts`, judged at `now_ms`.
@@ -188,13 +201,14 @@ pub fn plan(
     facts: &Facts,
     now_ms: u64,
 ) -> Result<Plan, InconsistentFacts> {
-    let mut planner = Planner::new(messages, facts, now_ms)?;
+    let mut planner = Planner::new(messages, facts, now_ms, InjectedBugs::read())?;
     for (position, message) in messages.iter().enumerate() {
         let outcome = planner.decide(position, message)?;
         planner.plan.outcomes.push(outcome);
     }
     let plan = planner.finish();
     debug_assert_eq!(plan.outcomes.len(), messages.len());
+    assert_keeps_the_sale(messages, facts, &plan);
     Ok(plan)
 }
 
@@ -203,11 +217,14 @@ impl<'m, 'f> Planner<'m, 'f> {
         messages: &[&'m OrderCreate],
         facts: &'f Facts,
         now_ms: u64,
+        bugs: InjectedBugs,
     ) -> Result<Planner<'m, 'f>, InconsistentFacts> {
         let mut ordered = HashSet::with_capacity(facts.ordered_positions.len());
         for &position in &facts.ordered_positions {
             let m = messages.get(position).ok_or(InconsistentFacts("ordered position"))?;
-            ordered.insert((m.activity_id, m.sku_id, m.user_id));
+            if !bugs.forget_held_orders {
+                ordered.insert(buyer(m));
+            }
         }
         let skus = facts
             .skus
@@ -215,11 +232,17 @@ impl<'m, 'f> Planner<'m, 'f> {
             .map(|sku| {
                 let units = match &sku.claim {
                     SkuClaim::Closed => Units::Closed,
-                    SkuClaim::Row { available } => Units::Row { left: *available, sold: 0 },
-                    SkuClaim::Token { tokens, contended } => Units::Token {
-                        queue: tokens.iter().map(String::as_str).collect(),
-                        contended: *contended,
-                    },
+                    SkuClaim::Row { available } => {
+                        let left = available + u64::from(bugs.extra_unit);
+                        Units::Row { left, sold: 0 }
+                    }
+                    SkuClaim::Token { tokens, contended } => {
+                        let mut queue: VecDeque<&str> = tokens.iter().map(String::as_str).collect();
+                        if bugs.extra_unit {
+                            queue.push_back(INJECTED_TOKEN);
+                        }
+                        Units::Token { queue, contended: *contended }
+                    }
                 };
                 (sku.key, SkuState { units, claim_us: sku.claim_us })
             })
@@ -237,6 +260,7 @@ impl<'m, 'f> Planner<'m, 'f> {
                 finals: Vec::with_capacity(messages.len()),
                 ..Plan::default()
             },
+            bugs,
         })
     }
 
@@ -276,7 +300,7 @@ impl<'m, 'f> Planner<'m, 'f> {
             let reason = RejectReason::NoFinalStock;
             return Ok(self.finish_rejected(position, m, reason, claim_us));
         };
-        if !self.ordered.insert((m.activity_id, m.sku_id, m.user_id)) {
+        if !self.ordered.insert(buyer(m)) && !self.bugs.skip_buyer_check {
             // The unit stays where it was, for the next message of this SKU.
             let reason = RejectReason::DuplicateUser;
             return Ok(self.finish_rejected(position, m, reason, claim_us));
@@ -284,13 +308,21 @@ impl<'m, 'f> Planner<'m, 'f> {
         match &mut state.units {
             Units::Row { left, sold } => {
                 *left -= 1;
-                *sold += 1;
+                if !self.bugs.row_sale_uncounted {
+                    *sold += 1;
+                }
             }
             Units::Token { queue, .. } => {
-                queue.pop_front();
+                if !self.bugs.reuse_token {
+                    queue.pop_front();
+                }
             }
             Units::Closed => return Err(InconsistentFacts("a closed SKU gave a unit")),
         }
+        let token = match token {
+            Some(_) if self.bugs.unlocked_token => Some(INJECTED_TOKEN),
+            token => token,
+        };
         Ok(self.finish_created(position, m, token.map(str::to_owned), claim_us))
     }
 
@@ -403,6 +435,180 @@ fn dedup_switched_off() -> bool {
     #[cfg(feature = "failpoints")]
     fail::fail_point!("negctl.inbox_dedup_off", |_| true);
     false
+}
+
+/// Test-only planning bugs, each switched on by the failpoint of its name (the `failpoints`
+/// feature; `pg-worker/tests/plan_assertions.rs`) so that the assertion guarding the invariant
+/// it breaks is seen to fire. Read once per batch; all off without the feature.
+#[derive(Debug, Clone, Copy, Default)]
+struct InjectedBugs {
+    /// `plan_bug.extra_unit`: every open SKU has one unit more than the facts show (a ROW
+    /// counter one higher, a TOKEN SKU one made-up token).
+    extra_unit: bool,
+    /// `plan_bug.reuse_token`: a TOKEN order does not use its token up.
+    reuse_token: bool,
+    /// `plan_bug.unlocked_token`: a TOKEN order holds a made-up token instead of the one it
+    /// took.
+    unlocked_token: bool,
+    /// `plan_bug.row_sale_uncounted`: a ROW order is not counted against the counter.
+    row_sale_uncounted: bool,
+    /// `plan_bug.forget_held_orders`: the facts' buyers already holding an order are dropped.
+    forget_held_orders: bool,
+    /// `plan_bug.skip_buyer_check`: a second message of a buyer is not refused.
+    skip_buyer_check: bool,
+}
+
+/// The made-up token of `plan_bug.extra_unit` and `plan_bug.unlocked_token`.
+const INJECTED_TOKEN: &str = "tok_injected_by_plan_bug";
+
+impl InjectedBugs {
+    fn read() -> InjectedBugs {
+        InjectedBugs {
+            extra_unit: bug_injected("plan_bug.extra_unit"),
+            reuse_token: bug_injected("plan_bug.reuse_token"),
+            unlocked_token: bug_injected("plan_bug.unlocked_token"),
+            row_sale_uncounted: bug_injected("plan_bug.row_sale_uncounted"),
+            forget_held_orders: bug_injected("plan_bug.forget_held_orders"),
+            skip_buyer_check: bug_injected("plan_bug.skip_buyer_check"),
+        }
+    }
+}
+
+/// Whether the failpoint `name` is set; always false without the `failpoints` feature.
+fn bug_injected(name: &'static str) -> bool {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!(name, |_| true);
+    let _ = name;
+    false
+}
+
+/// The sale's invariants I1 and I2 (DESIGN.md section 8) on `plan`, against the facts it was
+/// made from (see the module documentation). `assert!`, kept in release builds: the plan is
+/// about to be written, and a breach means oversell or a second order for a buyer. O(batch)
+/// with hashing, once per batch: microseconds beside the batch's two round trips.
+fn assert_keeps_the_sale(messages: &[&OrderCreate], facts: &Facts, plan: &Plan) {
+    let orders: Vec<(&OrderCreate, Option<&str>)> = plan
+        .finals
+        .iter()
+        .filter(|f| f.status == ORDER_CREATED_STATUS)
+        .map(|f| (messages[f.position], f.token_id.as_deref()))
+        .collect();
+    assert_units_within_sellable(facts, plan, &orders);
+    assert_tokens_locked_and_distinct(facts, &orders);
+    assert_one_order_per_buyer(messages, facts, &orders);
+}
+
+/// I1: per SKU, no more orders than the units sellable for the batch (the tokens locked for
+/// it, the ROW counter, none when closed or unknown), and each ROW counter lowered by exactly
+/// the orders of its SKU.
+fn assert_units_within_sellable(
+    facts: &Facts,
+    plan: &Plan,
+    orders: &[(&OrderCreate, Option<&str>)],
+) {
+    let claims: HashMap<SkuKey, &SkuClaim> = facts.skus.iter().map(|s| (s.key, &s.claim)).collect();
+    let mut by_sku: BTreeMap<SkuKey, Vec<&str>> = BTreeMap::new();
+    for (m, _) in orders {
+        by_sku.entry(sku_key(m)).or_default().push(m.reservation_id.as_str());
+    }
+    for (&(activity, sku), reservations) in &by_sku {
+        let units = match claims.get(&(activity, sku)) {
+            Some(SkuClaim::Row { available }) => *available,
+            Some(SkuClaim::Token { tokens, .. }) => tokens.len() as u64,
+            Some(SkuClaim::Closed) | None => 0,
+        };
+        assert!(
+            reservations.len() as u64 <= units,
+            "plan breaks I1 (no oversell): {} orders planned for SKU (activity {activity}, sku \
+             {sku}) with {units} sellable unit(s) locked for this batch; reservations \
+             {reservations:?}",
+            reservations.len()
+        );
+    }
+    let lowered: HashMap<SkuKey, i64> = plan.row_units.iter().copied().collect();
+    for (&(activity, sku), claim) in &claims {
+        if let SkuClaim::Row { .. } = claim {
+            let reservations = by_sku.get(&(activity, sku)).map_or(&[][..], Vec::as_slice);
+            let by = lowered.get(&(activity, sku)).copied().unwrap_or(0);
+            assert!(
+                by == reservations.len() as i64,
+                "plan breaks I1 (no oversell): ROW SKU (activity {activity}, sku {sku}) has {} \
+                 orders planned but its counter lowered by {by}; reservations {reservations:?}",
+                reservations.len()
+            );
+        }
+    }
+}
+
+/// I1: every order on a TOKEN SKU holds a token this batch locked for that SKU, and no token
+/// is planned for two orders.
+fn assert_tokens_locked_and_distinct(facts: &Facts, orders: &[(&OrderCreate, Option<&str>)]) {
+    let mut locked: HashMap<&str, SkuKey> = HashMap::new();
+    let mut token_skus: HashSet<SkuKey> = HashSet::new();
+    for sku in &facts.skus {
+        if let SkuClaim::Token { tokens, .. } = &sku.claim {
+            token_skus.insert(sku.key);
+            locked.extend(tokens.iter().map(|t| (t.as_str(), sku.key)));
+        }
+    }
+    let mut holders: HashMap<&str, &str> = HashMap::with_capacity(orders.len());
+    for &(m, token) in orders {
+        let key = sku_key(m);
+        if token.is_none() && !token_skus.contains(&key) {
+            continue; // A ROW order: its unit is the counter's.
+        }
+        let (activity, sku, user) = buyer(m);
+        let reservation = m.reservation_id.as_str();
+        let held = token.filter(|t| locked.get(t) == Some(&key));
+        assert!(
+            held.is_some(),
+            "plan breaks I1 (no oversell): reservation {reservation} (activity {activity}, sku \
+             {sku}, user {user}) planned with token {token:?}, which is not a token locked for \
+             its SKU"
+        );
+        let Some(token) = held else { continue };
+        let first = holders.insert(token, reservation);
+        assert!(
+            first.is_none(),
+            "plan breaks I1 (no oversell): token {token} (activity {activity}, sku {sku}) \
+             planned for reservations {} and {reservation}",
+            first.unwrap_or_default()
+        );
+    }
+}
+
+/// I2: no two orders for one buyer (activity, SKU, user) in the plan, and none for a buyer the
+/// facts show already holding an order.
+fn assert_one_order_per_buyer(
+    messages: &[&OrderCreate],
+    facts: &Facts,
+    orders: &[(&OrderCreate, Option<&str>)],
+) {
+    let holding: HashSet<(u64, u64, u64)> =
+        facts.ordered_positions.iter().filter_map(|&p| messages.get(p)).map(|m| buyer(m)).collect();
+    let mut planned: HashMap<(u64, u64, u64), &str> = HashMap::with_capacity(orders.len());
+    for &(m, _) in orders {
+        let (activity, sku, user) = buyer(m);
+        let reservation = m.reservation_id.as_str();
+        assert!(
+            !holding.contains(&(activity, sku, user)),
+            "plan breaks I2 (one order per buyer): an order planned for buyer (activity \
+             {activity}, sku {sku}, user {user}), who already holds one per the facts read; \
+             reservation {reservation}"
+        );
+        let first = planned.insert((activity, sku, user), reservation);
+        assert!(
+            first.is_none(),
+            "plan breaks I2 (one order per buyer): two orders planned for buyer (activity \
+             {activity}, sku {sku}, user {user}): reservations {} and {reservation}",
+            first.unwrap_or_default()
+        );
+    }
+}
+
+/// The buyer of a message: (activity, SKU, user), the key of `orders`' one-per-buyer rule.
+fn buyer(m: &OrderCreate) -> (u64, u64, u64) {
+    (m.activity_id, m.sku_id, m.user_id)
 }
 
 /// The SKU key as PostgreSQL stores it. `wire::OrderCreate::validate` bounds the ids by

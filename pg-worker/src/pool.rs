@@ -36,7 +36,7 @@
 //!   every connection starts with our `statement_timeout` and `lock_timeout` (a stuck lock
 //!   surfaces as 55P03, transient) appended to the URL's own `options`.
 //!   `transaction_deadline_ms` is the client-side bound the worker puts on each transaction
-//!   (`worker.rs`): the server's own timeouts cannot fire on a server that does not run.
+//!   (`worker/shared.rs`): the server's own timeouts cannot fire on a server that does not run.
 //!
 //! What it is not: a failover manager. It never promotes or demotes; it only picks the host
 //! to talk to and refuses the ones it must not (see `tuning/postgresql-ha.md` for the rest:

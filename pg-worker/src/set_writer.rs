@@ -1,7 +1,8 @@
 //! The set-based batch transaction (migration 0004): a fixed number of statements per batch,
 //! whatever its size, every per-message outcome of DESIGN.md section 5 kept.
 //!
-//! What it is: `write_set`, two pipelined round trips around a sans-I/O decision:
+//! What it is: [`write_set_once`], one attempt: two pipelined round trips around a sans-I/O
+//! decision:
 //!
 //! ```text
 //! BEGIN; SELECT ... FROM flashsale_order_facts(arrays)     -- inbox, recorded, buyers, locks
@@ -17,16 +18,20 @@
 //!
 //! When PostgreSQL refuses the batch (a message breaks a constraint, a buyer was raced by a
 //! concurrent transaction — SQLSTATE FS001 —, a deadlock or lock timeout), the transaction is
-//! rolled back and the batch is written the per-message way (`order_writer::
-//! write_batch_per_message`), which isolates the failing message; the rest commit, and only
-//! the failing one answers `Failed`. `flashsale_order_writer_set_fallbacks_total{reason}`
-//! counts these. A broken connection is `Err`, as on the per-message path.
+//! rolled back and the attempt answers [`Attempt::Refused`] with its [`Refusal`]; the caller
+//! (`order_path.rs`) then writes the batch the per-message way. A broken connection is `Err`,
+//! as on the per-message path. A plan that breaks the sale's invariants (`plan.rs` asserts
+//! them) panics after this rolls the transaction back: nothing of the batch commits, nothing
+//! is acked.
 //!
-//! What it is not: the rules (`plan.rs`), the SQL (`migrations/0004_order_create_set.sql`,
-//! `sql.rs`), the settlement of deliveries (`classify.rs`, `worker.rs`).
+//! What it is not: the rules (`plan.rs`), the fallback (`order_path.rs`), the SQL
+//! (`migrations/0004_order_create_set.sql`, `sql.rs`), the statements' pipelining
+//! (`statements.rs`), the settlement of deliveries (`classify.rs`, `worker/`).
 //!
 //! Read next: `plan.rs`, `migrations/0004_order_create_set.sql`.
 
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::SystemTime;
 
 use deadpool_postgres::ClientWrapper;
@@ -34,14 +39,19 @@ use flashsale_io::wire::OrderCreate;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
+use crate::batch_events::EventColumns;
 use crate::classify::WriteOutcome;
 use crate::error::PgError;
-use crate::order_writer::{
-    call, exec, next_result, pipeline, system_time, write_per_message_chunks, EventColumns,
-    Pending, Statements, SET_BATCH_MAX,
-};
 use crate::plan::{self, bigint, Facts, Plan, RecordedRow, SkuClaim, SkuFacts};
 use crate::sql;
+use crate::statements::{
+    call, describe, exec, next_result, pipeline, system_time, Pending, Statements,
+};
+
+/// Most messages in one set-based transaction (its arrays, the rows and token locks it holds,
+/// and what a fallback to the per-message path redoes). The worker's `fetch_max` is bounded
+/// by it.
+pub const SET_BATCH_MAX: usize = 1024;
 
 /// Why a batch left the set-based path (the metric's `reason` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,35 +91,6 @@ pub enum Attempt {
     Refused(Refusal, String),
 }
 
-/// Writes `messages` (1..=[`SET_BATCH_MAX`]) set-based, or per message when PostgreSQL refuses
-/// the set (see the module documentation). Outcomes in input order, after COMMIT.
-pub(crate) async fn write_set(
-    client: &ClientWrapper,
-    consumer_group: &str,
-    messages: &[&OrderCreate],
-    now_ms: u64,
-) -> Result<Vec<WriteOutcome>, PgError> {
-    if messages.is_empty() || messages.len() > SET_BATCH_MAX {
-        return Err(PgError::InvalidArgument("a set batch holds 1..=SET_BATCH_MAX messages"));
-    }
-    match write_set_once(client, consumer_group, messages, now_ms).await? {
-        Attempt::Committed(outcomes) => Ok(outcomes),
-        Attempt::Refused(refusal, error) => {
-            metrics::counter!("flashsale_order_writer_set_fallbacks_total", "reason" => refusal.label())
-                .increment(1);
-            match refusal {
-                Refusal::Inconsistent => {
-                    tracing::error!(%error, size = messages.len(), "set batch refused: per message")
-                }
-                Refusal::BuyerRace | Refusal::Server => {
-                    tracing::debug!(%error, size = messages.len(), "set batch refused: per message")
-                }
-            }
-            write_per_message_chunks(client, consumer_group, messages, now_ms).await
-        }
-    }
-}
-
 /// One set-based attempt without the fallback (the equivalence tests use it to be sure the
 /// set-based statements wrote the batch). `Err` as in the module documentation.
 pub async fn write_set_once(
@@ -136,12 +117,14 @@ async fn attempt(
         Ok(facts) => facts,
         Err(refused) => return Ok(refused),
     };
-    let plan = match plan::plan(messages, &facts, now_ms) {
-        Ok(plan) => plan,
-        Err(inconsistent) => {
+    let planned = catch_unwind(AssertUnwindSafe(|| plan::plan(messages, &facts, now_ms)));
+    let plan = match planned {
+        Ok(Ok(plan)) => plan,
+        Ok(Err(inconsistent)) => {
             client.execute(&statements.rollback, &[]).await?;
             return Ok(Attempt::Refused(Refusal::Inconsistent, inconsistent.0.to_owned()));
         }
+        Err(breach) => return Err(stop_on_breach(client, statements, messages, breach).await),
     };
     let apply = ApplyColumns::new(consumer_group, messages, &plan);
     let apply_args = apply.args();
@@ -166,13 +149,41 @@ async fn attempt(
             Err(error) if error.code().is_none() => return Err(error.into()),
             Err(error) => {
                 if refused.is_none() {
-                    let text = crate::order_writer::describe(&error);
+                    let text = describe(&error);
                     refused = Some(Attempt::Refused(Refusal::of(&error), text));
                 }
             }
         }
     }
     Ok(refused.unwrap_or(Attempt::Committed(plan.outcomes)))
+}
+
+/// The plan broke an invariant of the sale (`plan.rs` asserted it; its panic message, already
+/// written by the panic hook, names the invariant and the ids): the transaction is rolled back
+/// here, so that nothing of the batch commits even if this connection goes back to its pool
+/// and is used again, and the panic carries on. Nothing is acked: the caller never sees an
+/// outcome. Never returns; typed as the attempt's error so that the call site reads as one.
+async fn stop_on_breach(
+    client: &tokio_postgres::Client,
+    statements: &Statements,
+    messages: &[&OrderCreate],
+    breach: Box<dyn Any + Send>,
+) -> PgError {
+    let text = breach
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| breach.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)");
+    let first = messages.first().map_or("", |m| m.reservation_id.as_str());
+    tracing::error!(
+        size = messages.len(),
+        first_reservation_id = first,
+        breach = text,
+        "set batch stopped: its plan breaks an invariant of the sale; rolled back, nothing acked"
+    );
+    // If the rollback fails the connection is broken, which ends the transaction too.
+    let _ = client.execute(&statements.rollback, &[]).await;
+    resume_unwind(breach)
 }
 
 /// BEGIN and the facts, in one round trip. `Ok(Err(refused))`: the server refused the facts
@@ -204,7 +215,7 @@ async fn read_facts(
         Some(Ok(Some(row))) => Ok(Ok(decode_facts(&row, messages.len())?)),
         Some(Err(error)) if error.code().is_some() => {
             client.execute(&statements.rollback, &[]).await?;
-            let text = crate::order_writer::describe(&error);
+            let text = describe(&error);
             Ok(Err(Attempt::Refused(Refusal::of(&error), text)))
         }
         Some(Err(error)) => Err(error.into()),

@@ -15,7 +15,7 @@ pub const ORDER_CREATE_SQL: &str = "\
 
 /// The set-based batch's reads and locks (`migrations/0004_order_create_set.sql`): consumer
 /// group, message ids, reservation ids, activity ids, SKU ids, user ids, expiries (arrays by
-/// position), now. One row of arrays; `order_writer.rs` decodes it into `plan::Facts`.
+/// position), now. One row of arrays; `set_writer.rs` decodes it into `plan::Facts`.
 pub const ORDER_FACTS_SQL: &str = "\
     SELECT r_inserted_ids, r_recorded_ids, r_recorded_statuses, r_recorded_orders, \
            r_ordered_positions, r_sku_activity_ids, r_sku_ids, r_sku_statuses, r_sku_allocators, \

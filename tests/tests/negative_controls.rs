@@ -9,6 +9,11 @@
 //! | `negctl.nats_msg_id_off`  | io/src/log/publisher.rs      | a republished message stored twice |
 //! | `negctl.comp_marker_off`  | io/src/redis/script.rs       | stock returned twice for one reservation |
 //!
+//! And the other way round, a bug switched ON where a release assertion guards the invariant:
+//! `plan_bug.extra_unit` (pg-worker/src/plan.rs) plans one unit more than PostgreSQL locked; the
+//! drill must see the assertion stop the batch with nothing of it committed (each planning bug
+//! against the pure planner: `pg-worker/tests/plan_assertions.rs`).
+//!
 //! Failpoints are process-global: every test here holds [`serial`] while it runs, and a
 //! [`Switch`] removes its failpoint when dropped (a failing assertion included).
 
@@ -21,7 +26,7 @@ use flashsale_io::log::{EVENTS_STREAM, ORDERS_STREAM, ORDER_WRITER_CONSUMER, RED
 use flashsale_io::wire::{OrderCreate, RejectReason, ReservationEvent};
 use flashsale_pg_worker::plan::{self, Facts, RecordedRow, SkuClaim, SkuFacts};
 use flashsale_pg_worker::set_writer::{write_set_once, Attempt};
-use flashsale_pg_worker::{build_pool, start, write_batch, WriteOutcome};
+use flashsale_pg_worker::{build_pool, start, write_batch, PgPoolConfig, WriteOutcome};
 use flashsale_tests::{metric, redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient};
 use pipeline_support::*;
 
@@ -428,4 +433,67 @@ fn comp_marker_off_a_compensation_applied_twice_returns_stock_twice() {
     let (stock, counted) = compensate_twice(&engine, 403, 404, 3);
     eprintln!("compensation marker on: stock {stock}, {counted} compensation counted");
     assert_eq!((stock, counted), (1, 1), "returned exactly once");
+}
+
+// ---- (e) the set-based planner's release assertions -----------------------------------------
+
+/// plan.rs: with `plan_bug.extra_unit` the planner sells one unit more than the facts locked,
+/// and its assertion on I1 panics; the set writer rolls the transaction back and the panic
+/// carries on, so nothing of the batch commits and no outcome reaches anything that would ack.
+/// The pool holds ONE connection: the next batch runs on the connection that panicked, and it
+/// commits the same messages afresh (not as duplicates of inbox rows a still-open transaction
+/// held), which shows the rollback happened.
+#[test]
+fn plan_bug_extra_unit_the_assertion_stops_the_batch_before_anything_commits() {
+    let _serial = serial();
+    multi_thread().block_on(plan_breach_drill());
+}
+
+async fn plan_breach_drill() {
+    let db = db().await;
+    seed_sku(&db.client, ACTIVITY, SKU, 1, "TOKEN").await;
+    let messages: Vec<OrderCreate> =
+        (1..=2).map(|u| message(ACTIVITY, SKU, u, &format!("e{u}"))).collect();
+    let pool =
+        build_pool(&PgPoolConfig { url: db.db.url.clone(), pool_size: 1, ..Default::default() })
+            .expect("pool");
+    let written = {
+        let _bug = Switch::on("plan_bug.extra_unit");
+        let (pool, messages) = (pool.clone(), messages.clone());
+        tokio::spawn(async move {
+            let client = pool.get().await.expect("connection");
+            let refs: Vec<&OrderCreate> = messages.iter().collect();
+            write_batch(&client, ORDER_WRITER_CONSUMER, &refs, now_ms()).await
+        })
+        .await
+    };
+    let breach = match written {
+        Err(join) if join.is_panic() => join.into_panic(),
+        other => panic!("plan bug on: the batch was not stopped: {other:?}"),
+    };
+    let text = breach.downcast_ref::<String>().cloned().unwrap_or_default();
+    eprintln!("plan bug on: the batch stopped: {text}");
+    assert!(text.contains("plan breaks I1 (no oversell)"), "{text}");
+    assert!(text.contains("resv_e1") && text.contains("resv_e2"), "the ids are named: {text}");
+    for table in ["consumer_inbox", "inventory_reservation", "orders", "event_outbox"] {
+        let rows = count(&db.client, &format!("SELECT count(*) FROM {table}")).await;
+        assert_eq!(rows, 0, "{table}: nothing of the stopped batch committed");
+    }
+    let available = "SELECT count(*) FROM inventory_token WHERE status = 'AVAILABLE'";
+    assert_eq!(count(&db.client, available).await, 1, "the unit is still for sale");
+
+    // Bug off: the same batch on the same connection plans and commits as the rules say.
+    let client = pool.get().await.expect("the connection that panicked, back in the pool");
+    let refs: Vec<&OrderCreate> = messages.iter().collect();
+    let outcomes =
+        write_batch(&client, ORDER_WRITER_CONSUMER, &refs, now_ms()).await.expect("commit");
+    eprintln!("plan bug off: {outcomes:?}");
+    assert!(matches!(outcomes[0], WriteOutcome::Created { .. }), "{outcomes:?}");
+    assert!(
+        matches!(&outcomes[1], WriteOutcome::Rejected { reason: RejectReason::NoFinalStock, .. }),
+        "{outcomes:?}"
+    );
+    let report =
+        flashsale_pg_worker::check_invariants(&db.client, ACTIVITY, SKU).await.expect("audit");
+    assert!(report.ok(), "{report:#?}");
 }

@@ -6,7 +6,7 @@
 //!
 //! 1. a Redis that lost the SKU altogether (no `meta`) is preheated again from PostgreSQL's
 //!    truth: its configuration, and as stock the units PostgreSQL can still sell
-//!    (`pg_worker::edge::sellable_units`) — never the initial stock, which would sell again
+//!    (`pg_worker::sku::sellable_units`) — never the initial stock, which would sell again
 //!    what PostgreSQL already sold;
 //! 2. the SKU reopens after a reconcile against PostgreSQL passes (its report lists every
 //!    reservation PostgreSQL has and Redis lost);
@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, PreheatReply};
-use flashsale_pg_worker::edge;
+use flashsale_pg_worker::sku;
 
 use super::state::Shard;
 use crate::logic::clock::now_ms;
@@ -151,8 +151,8 @@ async fn rebuild(shard: &Shard, key: SkuKey) {
         .shared
         .durable
         .pg(move |client| async move {
-            let config = edge::sku_config(&client, activity_id, sku_id).await?;
-            let units = edge::sellable_units(&client, activity_id, sku_id).await?;
+            let config = sku::sku_config(&client, activity_id, sku_id).await?;
+            let units = sku::sellable_units(&client, activity_id, sku_id).await?;
             Ok(config.zip(units))
         })
         .await;

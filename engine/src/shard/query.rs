@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use flashsale_io::redis::layout::RequestRecord;
-use flashsale_pg_worker::edge::{self, ReservationRecord};
+use flashsale_pg_worker::reservation_lookup::{self, ReservationRecord};
 
 use super::limiters::Limiters;
 use super::reply::write_state;
@@ -201,7 +201,8 @@ async fn read_postgres(
     let (activity_id, sku_id) = (asked.key.activity_id as i64, asked.key.sku_id as i64);
     let (user_id, request_id) = (asked.user_id as i64, asked.request_id.clone());
     let lookup = deps.shared.durable.pg(move |client| async move {
-        edge::find_reservation(&client, activity_id, sku_id, user_id, &request_id).await
+        reservation_lookup::find_reservation(&client, activity_id, sku_id, user_id, &request_id)
+            .await
     });
     match glommio::timer::timeout(wait, async { Ok(lookup.await) }).await {
         Ok(result) => result,

@@ -10,7 +10,8 @@ use std::time::Duration;
 use flashsale_io::bounds;
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, PreheatReply};
-use flashsale_pg_worker::edge::{self, ActivitySpec, Allocator, CreateActivity};
+use flashsale_pg_worker::activity_creation::{self, ActivitySpec, CreateActivity};
+use flashsale_pg_worker::sku::{self, Allocator};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -153,7 +154,7 @@ async fn create_rows(
     let create = deps
         .shared
         .durable
-        .pg(move |mut client| async move { edge::create_activity(&mut client, &spec).await });
+        .pg(move |mut client| async move { activity_creation::create_activity(&mut client, &spec).await });
     match glommio::timer::timeout(wait, async { Ok(create.await) }).await {
         Ok(Ok(outcome)) => Ok(outcome),
         Ok(Err(e)) => {
@@ -191,7 +192,7 @@ async fn activate(deps: &AdminDeps<'_>, spec: &ActivitySpec) -> Result<(), (Stat
     let marked = deps
         .shared
         .durable
-        .pg(move |client| async move { edge::mark_activity_active(&client, activity_id).await })
+        .pg(move |client| async move { activity_creation::mark_activity_active(&client, activity_id).await })
         .await;
     marked.map_err(|_| error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE"))
 }
@@ -217,7 +218,7 @@ pub async fn sku_status(deps: &AdminDeps<'_>, key: SkuKey) -> (Status, String) {
     let config = deps
         .shared
         .durable
-        .pg(move |client| async move { edge::sku_config(&client, activity_id, sku_id).await })
+        .pg(move |client| async move { sku::sku_config(&client, activity_id, sku_id).await })
         .await;
     let config = match config {
         Ok(Some(config)) => config,

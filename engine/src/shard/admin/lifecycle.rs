@@ -19,7 +19,8 @@
 
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
 use flashsale_io::redis::script::{PreheatArgs, ScriptError, TopUpArgs, TopUpReply};
-use flashsale_pg_worker::lifecycle::{self, Change, Closing, SkuSnapshot, SkuSpec};
+use flashsale_pg_worker::lifecycle::{self, Change, Closing, SkuSnapshot};
+use flashsale_pg_worker::sku::SkuSpec;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::json;
