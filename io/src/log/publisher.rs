@@ -23,7 +23,9 @@ use async_nats::jetstream::{self};
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{LogConfig, LogError, ORDER_CREATE_SUBJECT, TRACEPARENT_HEADER};
+use super::config::LogConfig;
+use super::error::LogError;
+use super::names::{ORDER_CREATE_SUBJECT, TRACEPARENT_HEADER};
 use crate::wire::{EventType, OrderCreate};
 
 /// Longest pause between "no stream found" retries.
