@@ -9,14 +9,14 @@
 //!
 //! What it is not: I/O. Nothing here publishes, reads a clock or touches a store; times are
 //! milliseconds since the Unix epoch passed in by the caller. Publishing with `Nats-Msg-Id` is
-//! [`crate::log`]; deciding an outcome is the PostgreSQL worker's.
+//! [`crate::jetstream`]; deciding an outcome is the PostgreSQL worker's.
 //!
 //! Compatibility: unknown JSON fields are ignored (a newer producer may add fields); a
 //! `schema_version` higher than [`SCHEMA_VERSION`] is a distinct error
 //! ([`DecodeError::UnknownSchema`]) so that a consumer never half-understands a message it
 //! cannot read: the worker dead-letters it instead.
 //!
-//! Read next: `log.rs` (subjects, headers, publishing), `pg-worker/src/order_writer.rs` (who
+//! Read next: `jetstream/` (subjects, headers, publishing), `pg-worker/src/order_writer.rs` (who
 //! decodes order-create messages and builds the events), `lua/seckill.lua` (`apply_result` and
 //! `compensate`, which consume the events' fields).
 

@@ -21,7 +21,7 @@
 //!   added, ended, terminated, topped up).
 //!
 //! What it is not: the edge (no Redis, no HTTP), nor the JetStream client (the
-//! `io` crate's `log`, which this crate drives).
+//! `io` crate's `jetstream`, which this crate drives).
 //!
 //! Read next: `migrations/0001_init.sql` for the tables and which invariant of
 //! DESIGN.md section 8 each constraint enforces, `0002_order_create.sql` for the

@@ -52,7 +52,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use deadpool_postgres::Pool;
-use flashsale_io::log::{
+use flashsale_io::jetstream::{
     Delivery, Log, LogConfig, LogLag, Publisher, PullSource, ORDER_WRITER_CONSUMER,
 };
 use flashsale_io::wire::{decode_order_create, DecodeError, OrderCreate, RejectReason};

@@ -6,7 +6,7 @@
 //! |---------------------------|------------------------------|-----------------------------|
 //! | `negctl.scanner_off`      | engine/src/shard/scanner.rs  | QUEUED buyers whose message was lost get no order |
 //! | `negctl.inbox_dedup_off`  | pg-worker/src/plan.rs        | the redelivered batch planned afresh, refused by the reservation key |
-//! | `negctl.nats_msg_id_off`  | io/src/log/publisher.rs      | a republished message stored twice |
+//! | `negctl.nats_msg_id_off`  | io/src/jetstream/publisher.rs | a republished message stored twice |
 //! | `negctl.comp_marker_off`  | io/src/redis/script.rs       | stock returned twice for one reservation |
 //!
 //! Failpoints are process-global: every test here holds [`serial`] while it runs, and a
@@ -17,7 +17,9 @@ mod pipeline_support;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use flashsale_io::log::{EVENTS_STREAM, ORDERS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER};
+use flashsale_io::jetstream::{
+    EVENTS_STREAM, ORDERS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER,
+};
 use flashsale_io::wire::{OrderCreate, RejectReason, ReservationEvent};
 use flashsale_pg_worker::plan::{self, Facts, RecordedRow, SkuClaim, SkuFacts};
 use flashsale_pg_worker::set_writer::{write_set_once, Attempt};

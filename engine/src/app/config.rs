@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use flashsale_io::log::LogConfig;
+use flashsale_io::jetstream::LogConfig;
 
 use crate::app::stack::StackEnv;
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flashsale_io::log::LogConfig;
+use flashsale_io::jetstream::LogConfig;
 use flashsale_io::redis::RedisConfig;
 use glommio::channels::channel_mesh::MeshBuilder;
 use glommio::{ExecutorJoinHandle, LocalExecutorBuilder, Placement};

@@ -8,7 +8,7 @@
 //!   submit reads its mode with one relaxed load and a few hash lookups, never a lock.
 //!   Every accepted snapshot is persisted (write + rename) before the revision moves, so the
 //!   last snapshot and the highest version survive restarts; an unreadable file fails closed.
-//! - Distribution: a JetStream KV bucket ([`flashsale_io::log::MODES_BUCKET`], one key per
+//! - Distribution: a JetStream KV bucket ([`flashsale_io::jetstream::MODES_BUCKET`], one key per
 //!   scope), watched by every instance ([`watch`]). It is not the Redis being protected: a mode
 //!   change must reach the fleet when Redis is the problem. `POST /admin/v1/mode` checks a
 //!   snapshot against the local table first (a dry run), puts it into the bucket by
@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flashsale_io::log::async_nats;
-use flashsale_io::log::LogLag;
+use flashsale_io::jetstream::async_nats;
+use flashsale_io::jetstream::LogLag;
 use flashsale_pg_worker::pool::{Connector, PgPoolConfig};
 
 use crate::logic::admission::Backlog;
@@ -394,7 +394,7 @@ impl Health {
 /// connector tries the host that answered first next time. The ping itself is bounded by
 /// `every`; a connection that missed it is dropped.
 pub async fn poll_health(
-    log: flashsale_io::log::Log,
+    log: flashsale_io::jetstream::Log,
     pg_url: String,
     health: Arc<Health>,
     every: Duration,
@@ -411,7 +411,7 @@ pub async fn poll_health(
                     Err(_) => tracing::debug!("backlog poll timed out"),
                 }
                 match tokio::time::timeout(every, log.poll_placement()).await {
-                    Ok(placements) => flashsale_io::log::record_placement(&placements),
+                    Ok(placements) => flashsale_io::jetstream::record_placement(&placements),
                     Err(_) => tracing::debug!("stream placement poll timed out"),
                 }
                 if pause(every, &mut stop).await {

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use flashsale_io::log::{Delivery, Log, Publisher, REDIS_SYNC_CONSUMER};
+use flashsale_io::jetstream::{Delivery, Log, Publisher, REDIS_SYNC_CONSUMER};
 use flashsale_io::wire::{decode_event, ReservationEvent};
 use futures::channel::oneshot;
 use tokio::sync::mpsc;

@@ -1,4 +1,4 @@
-//! The JetStream side of the replicated log (CONTRACT.md section 6, DESIGN.md sections 2–5):
+//! The JetStream client of the replicated log (CONTRACT.md section 6, DESIGN.md sections 2–5):
 //! its configuration, the three streams and two durable consumers, publishing with
 //! `Nats-Msg-Id`, pulling and settling deliveries, the dead-letter path and the lag observer.
 //!

@@ -137,8 +137,8 @@ pub fn pull_consumer_config(config: &LogConfig, durable: &str) -> pull::Config {
 mod tests {
     use std::time::Duration;
 
-    use super::super::names::ORDER_WRITER_CONSUMER;
     use super::*;
+    use crate::jetstream::names::ORDER_WRITER_CONSUMER;
 
     #[test]
     fn stream_configs_match_the_contract() {
