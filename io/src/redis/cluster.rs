@@ -37,7 +37,7 @@ use bytes::BytesMut;
 use rand::Rng;
 
 use super::connection::{FenceConfig, FenceOutcome, Fenced, NotSentReason, UnknownReason};
-use super::router::MinReplicaAcks;
+use super::fence::MinReplicaAcks;
 use super::slot::{MapError, Redirect, Slot, SlotMap};
 use super::{RedisClient, RedisConfig, RedisError};
 use crate::resp::Reply;
