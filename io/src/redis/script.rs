@@ -22,7 +22,7 @@ use bytes::BytesMut;
 
 use crate::redis::cluster::Lane;
 use crate::redis::connection::FenceOutcome;
-use crate::redis::layout::ActivityStatus;
+use crate::redis::layout::{ActivityStatus, PendingEntry, PendingStatus};
 use crate::redis::router::Router;
 use crate::redis::slot::Slot;
 use crate::redis::{RedisClient, RedisError};
@@ -435,27 +435,6 @@ pub struct ClaimDueArgs {
     pub backoff_max_ms: u64,
     /// Older reservations go to `resv:stuck` instead of being republished.
     pub recovery_deadline_ms: u64,
-}
-
-/// The reservation status values a claimed (non-final) entry can have.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PendingStatus {
-    PendingMessage,
-    MessageSent,
-}
-
-/// A due reservation claimed for republishing (its `send_attempts` already bumped).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PendingEntry {
-    pub reservation_id: String,
-    pub message_id: String,
-    pub request_id: String,
-    pub user_id: u64,
-    pub payload_hash: String,
-    pub reserved_at_ms: u64,
-    pub expires_at_ms: u64,
-    pub send_attempts: u32,
-    pub status: PendingStatus,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
