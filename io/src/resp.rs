@@ -763,4 +763,11 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn u64_text() {
+        for n in [0, 7, 10, 1_234_567_890_123, u64::MAX] {
+            assert_eq!(U64Text::new(n).as_bytes(), n.to_string().as_bytes());
+        }
+    }
 }

@@ -7,7 +7,7 @@
 //! | `negctl.scanner_off`      | engine/src/shard/scanner.rs  | QUEUED buyers whose message was lost get no order |
 //! | `negctl.inbox_dedup_off`  | pg-worker/src/plan.rs        | the redelivered batch planned afresh, refused by the reservation key |
 //! | `negctl.nats_msg_id_off`  | io/src/jetstream/publisher.rs | a republished message stored twice |
-//! | `negctl.comp_marker_off`  | io/src/redis/script.rs       | stock returned twice for one reservation |
+//! | `negctl.comp_marker_off`  | io/src/redis/script/client.rs | stock returned twice for one reservation |
 //!
 //! Failpoints are process-global: every test here holds [`serial`] while it runs, and a
 //! [`Switch`] removes its failpoint when dropped (a failing assertion included).

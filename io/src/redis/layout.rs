@@ -4,9 +4,10 @@
 //! section 5).
 //!
 //! What it is not: I/O. Nothing here talks to a server, so the engine's sans-I/O decisions
-//! may use these types; the key names themselves are built by `script::SkuKeys`, and every
-//! command that reads or writes them lives in `script` (the functions) or `reads`. This file
-//! imports nothing from either: they build these values, never the other way round.
+//! may use these types; the key names themselves are built by `script::SkuKeys`
+//! (`script/keys.rs`), and every command that reads or writes them lives in `script` (the
+//! functions) or `reads`. This file imports nothing from either: they build these values,
+//! never the other way round.
 
 use std::fmt;
 
