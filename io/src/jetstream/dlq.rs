@@ -11,7 +11,7 @@
 //! reservation). A replay is one more delivery, never a second effect.
 //!
 //! What it is not: a decision about which dead letters to replay (an operator's, after fixing
-//! the cause), or a reader of the bodies (`wire.rs`).
+//! the cause), or a reader of the bodies (`wire/`).
 
 use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
 use bytes::Bytes;
