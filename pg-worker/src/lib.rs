@@ -11,6 +11,7 @@
 //!   I/O) or one function call per message (the fallback and reference);
 //!   `classify`: the sans-I/O rules that settle each delivery (ack after commit,
 //!   NAK with backoff, dead letter) and the event each outcome announces;
+//!   `compensation`: THE rule of which Redis effects each rejection undoes;
 //! - `outbox`: `SKIP LOCKED` batches of `event_outbox` to `SECKILL_EVENTS`;
 //! - `worker`: the pool of tasks on its own tokio runtime (`start` →
 //!   `WorkerHandle`), used by `flashsale serve` and `flashsale worker`;
@@ -31,6 +32,7 @@
 pub mod audit;
 pub mod batching;
 pub mod classify;
+pub mod compensation;
 pub mod edge;
 pub mod error;
 pub mod lifecycle;

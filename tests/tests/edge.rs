@@ -476,6 +476,7 @@ fn wait_for(what: &str, f: impl FnMut() -> bool) {
 #[test]
 fn redis_sync_applies_results_and_compensation_clears_sold_out() {
     use flashsale_io::wire::{RejectReason, ReservationEvent};
+    use flashsale_pg_worker::compensation::RejectedEvent;
     let engine = Engine::start();
     engine.create_activity(81, 82, 1);
     let mut c = HttpClient::connect(engine.http());

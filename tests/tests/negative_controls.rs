@@ -21,6 +21,7 @@ use flashsale_io::jetstream::{
     EVENTS_STREAM, ORDERS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER,
 };
 use flashsale_io::wire::{OrderCreate, RejectReason, ReservationEvent};
+use flashsale_pg_worker::compensation::{RejectedEvent, RejectionCompensation};
 use flashsale_pg_worker::plan::{self, Facts, RecordedRow, SkuClaim, SkuFacts};
 use flashsale_pg_worker::set_writer::{write_set_once, Attempt};
 use flashsale_pg_worker::{build_pool, start, write_batch, WriteOutcome};

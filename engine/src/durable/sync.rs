@@ -6,7 +6,7 @@
 //! is idempotent); an undecodable event is dead-lettered.
 //!
 //! Not here: what applying an event means (`shard/sync.rs`, on the owner shard), which Redis
-//! effects a rejection undoes (`io::wire::RejectReason::compensation`).
+//! effects a rejection undoes (`flashsale_pg_worker::compensation`).
 
 use std::time::Duration;
 

@@ -4,7 +4,9 @@
 //! reservation's Redis effects `compensate` undoes), [`ReservationEvent`] with its
 //! constructors, and [`ReservationEvent::action`], what the event asks `redis-sync` to do.
 //!
-//! What it is not: I/O, nor who decides an outcome (the PostgreSQL worker, `classify.rs`).
+//! What it is not: I/O, nor a decision. Which outcome a reservation gets is the PostgreSQL
+//! worker's (`classify.rs`), and so is which effects each rejection undoes
+//! (`pg-worker/src/compensation.rs`): this file carries the flags it is given.
 //!
 //! Read next: `pg-worker/src/classify.rs` (who builds these events), `engine/src/shard/sync.rs`
 //! (who applies them), `lua/seckill.lua` (`apply_result` and `compensate`, which consume their
@@ -139,26 +141,6 @@ impl RejectReason {
     pub fn from_reason_code(code: &str) -> Option<RejectReason> {
         RejectReason::ALL.into_iter().find(|r| r.reason_code() == code)
     }
-
-    /// THE mapping from a rejection to the Redis effects it undoes (DESIGN.md section 5). The
-    /// reservation took one unit of Redis stock and set the buyer's user marker; which of the
-    /// two to give back depends on why PostgreSQL said no:
-    ///
-    /// - expired / activity terminated: the unit is sellable again and the buyer may try
-    ///   again: return stock, release the user.
-    /// - no final stock: PostgreSQL has nothing left, so the Redis unit must stay taken (the
-    ///   SKU stays sold out); the buyer got nothing and may try again: release the user only.
-    /// - duplicate user: the buyer already holds an order, so the user marker is right and
-    ///   stays; this reservation's unit was never used: return stock only.
-    pub fn compensation(self) -> Compensation {
-        match self {
-            RejectReason::Expired | RejectReason::ActivityTerminated => {
-                Compensation { return_stock: true, release_user: true }
-            }
-            RejectReason::NoFinalStock => Compensation { return_stock: false, release_user: true },
-            RejectReason::DuplicateUser => Compensation { return_stock: true, release_user: false },
-        }
-    }
 }
 
 impl fmt::Display for RejectReason {
@@ -247,10 +229,16 @@ impl ReservationEvent {
         event
     }
 
-    /// `compensate` for a rejected reservation, its flags from [`RejectReason::compensation`].
-    pub fn rejected(message: &OrderCreate, reason: RejectReason, now_ms: u64) -> ReservationEvent {
+    /// `compensate` for a reservation rejected for `reason`, with the flags its caller decided
+    /// (which effects a rejection undoes is the worker's rule: `flashsale_pg_worker::compensation`,
+    /// whose `ReservationEvent::rejected` calls this).
+    pub fn compensate(
+        message: &OrderCreate,
+        reason: RejectReason,
+        compensation: Compensation,
+        now_ms: u64,
+    ) -> ReservationEvent {
         let mut event = ReservationEvent::base(message, EventType::Compensate, now_ms);
-        let compensation = reason.compensation();
         event.reason_code = Some(reason);
         event.return_stock = compensation.return_stock;
         event.release_user = compensation.release_user;
@@ -343,32 +331,6 @@ mod tests {
     use super::super::order_create::tests::{sample, T0};
     use super::*;
 
-    // One test per branch of THE compensation mapping.
-
-    #[test]
-    fn expired_returns_stock_and_releases_the_user() {
-        let c = RejectReason::Expired.compensation();
-        assert_eq!(c, Compensation { return_stock: true, release_user: true });
-    }
-
-    #[test]
-    fn activity_terminated_returns_stock_and_releases_the_user() {
-        let c = RejectReason::ActivityTerminated.compensation();
-        assert_eq!(c, Compensation { return_stock: true, release_user: true });
-    }
-
-    #[test]
-    fn no_final_stock_releases_the_user_and_keeps_sold_out() {
-        let c = RejectReason::NoFinalStock.compensation();
-        assert_eq!(c, Compensation { return_stock: false, release_user: true });
-    }
-
-    #[test]
-    fn duplicate_user_returns_stock_and_keeps_the_user_marker() {
-        let c = RejectReason::DuplicateUser.compensation();
-        assert_eq!(c, Compensation { return_stock: true, release_user: false });
-    }
-
     #[test]
     fn reason_names_round_trip() {
         for r in RejectReason::ALL {
@@ -396,7 +358,8 @@ mod tests {
         assert_eq!(decoded.request_id, m.request_id);
         assert_eq!(decoded.traceparent, m.traceparent);
 
-        let rejected = ReservationEvent::rejected(&m, RejectReason::NoFinalStock, T0 + 5);
+        let flags = Compensation { return_stock: false, release_user: true };
+        let rejected = ReservationEvent::compensate(&m, RejectReason::NoFinalStock, flags, T0 + 5);
         let text = String::from_utf8(rejected.encode()).expect("utf8");
         assert!(text.contains(r#""event_type":"compensate""#), "{text}");
         assert!(text.contains(r#""reason_code":"NO_FINAL_STOCK""#), "{text}");
