@@ -101,9 +101,17 @@ const _: () = assert!(CLIENT_ACKS_OUTSTANDING_LIMIT > 4_096);
 impl LogConfig {
     /// Refuses what the server would refuse or silently change, and what would break a
     /// contract: a dedup window under 10 minutes, outstanding acks at the client's limit,
-    /// a backoff list the server would turn into a different ack wait.
+    /// a backoff list the server would turn into a different ack wait. The first broken rule
+    /// is reported, in the order of the steps below.
     pub fn validate(&self) -> Result<(), LogError> {
-        let bad = |message: String| Err(LogError::Config(message));
+        self.check_servers()?;
+        self.check_retention()?;
+        self.check_delivery()?;
+        self.check_client_bounds()
+    }
+
+    /// The servers (`url`) and the stream replicas.
+    fn check_servers(&self) -> Result<(), LogError> {
         if server_urls(&self.url).is_empty() {
             return bad("url: no server given".into());
         }
@@ -115,6 +123,11 @@ impl LogConfig {
         if !(1..=5).contains(&self.replicas) {
             return bad(format!("replicas {} must be within 1..=5", self.replicas));
         }
+        Ok(())
+    }
+
+    /// The dedup window against the contract's floor and against every stream's max age.
+    fn check_retention(&self) -> Result<(), LogError> {
         if self.duplicate_window_ms < DUPLICATE_WINDOW_MIN_MS {
             return bad(format!(
                 "duplicate_window_ms {} is below the contract's 10 minutes ({DUPLICATE_WINDOW_MIN_MS})",
@@ -131,6 +144,11 @@ impl LogConfig {
                 return bad(format!("{name} {max_age_ms} is below duplicate_window_ms"));
             }
         }
+        Ok(())
+    }
+
+    /// The consumers' redelivery policy: ack wait, deliveries, backoff, unacknowledged bound.
+    fn check_delivery(&self) -> Result<(), LogError> {
         if self.ack_wait_ms < 100 {
             return bad(format!("ack_wait_ms {} is below 100", self.ack_wait_ms));
         }
@@ -159,6 +177,11 @@ impl LogConfig {
         if self.max_ack_pending < 1 {
             return bad("max_ack_pending must be at least 1".into());
         }
+        Ok(())
+    }
+
+    /// The client's timeouts, its outstanding-ack bound and the orders backlog's limits.
+    fn check_client_bounds(&self) -> Result<(), LogError> {
         if self.publish_timeout_ms == 0 || self.request_timeout_ms == 0 {
             return bad("publish_timeout_ms and request_timeout_ms must be positive".into());
         }
@@ -178,6 +201,11 @@ impl LogConfig {
         }
         Ok(())
     }
+}
+
+/// A configuration error (the one kind validation reports).
+fn bad(message: String) -> Result<(), LogError> {
+    Err(LogError::Config(message))
 }
 
 /// The servers of a comma-separated `url`, blanks dropped.

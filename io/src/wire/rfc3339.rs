@@ -84,23 +84,34 @@ pub fn parse_rfc3339_ms(text: &str) -> Option<u64> {
     if b.len() < 20 {
         return None;
     }
-    let num = |range: std::ops::Range<usize>| -> Option<u32> {
-        let digits = b.get(range)?;
-        let mut value = 0u32;
-        for &d in digits {
-            if !d.is_ascii_digit() {
-                return None;
-            }
-            value = value * 10 + u32::from(d - b'0');
-        }
-        Some(value)
-    };
-    let year = num(0..4)?;
-    let month = num(5..7)?;
-    let day = num(8..10)?;
-    let hour = num(11..13)?;
-    let minute = num(14..16)?;
-    let second = num(17..19)?;
+    let t = parse_date_time(b)?;
+    let (millis, at) = parse_fraction(b, 19)?;
+    let offset_secs = parse_offset(b, at)?;
+    let days = days_from_civil(i64::from(t.year), t.month, t.day);
+    let local = days * 86_400 + i64::from(t.hour * 3600 + t.minute * 60 + t.second);
+    let utc_secs = local - offset_secs;
+    let ms = utc_secs.checked_mul(1000)?.checked_add(i64::from(millis))?;
+    u64::try_from(ms).ok()
+}
+
+/// The fields of `YYYY-MM-DDTHH:MM:SS`, each within the calendar and the clock.
+struct DateTime {
+    year: u32,
+    month: u32,
+    day: u32,
+    hour: u32,
+    minute: u32,
+    second: u32,
+}
+
+/// `YYYY-MM-DDTHH:MM:SS` at the start of `b` (which holds at least 20 bytes).
+fn parse_date_time(b: &[u8]) -> Option<DateTime> {
+    let year = digits(b, 0..4)?;
+    let month = digits(b, 5..7)?;
+    let day = digits(b, 8..10)?;
+    let hour = digits(b, 11..13)?;
+    let minute = digits(b, 14..16)?;
+    let second = digits(b, 17..19)?;
     if b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') {
         return None;
     }
@@ -113,7 +124,12 @@ pub fn parse_rfc3339_ms(text: &str) -> Option<u64> {
     if hour > 23 || minute > 59 || second > 59 {
         return None;
     }
-    let mut at = 19;
+    Some(DateTime { year, month, day, hour, minute, second })
+}
+
+/// The optional `.d…` at `at`: its milliseconds (digits past the third truncated) and where
+/// the text goes on after it. A dot without a digit is refused.
+fn parse_fraction(b: &[u8], mut at: usize) -> Option<(u32, usize)> {
     let mut millis = 0u32;
     if b.get(at) == Some(&b'.') {
         at += 1;
@@ -132,28 +148,36 @@ pub fn parse_rfc3339_ms(text: &str) -> Option<u64> {
             millis *= 10;
         }
     }
-    let offset_secs: i64 = match b.get(at)? {
-        b'Z' | b'z' if at + 1 == b.len() => 0,
+    Some((millis, at))
+}
+
+/// The zone at `at`, which must end the text: `Z` (or `z`) or `±HH:MM`, as seconds east of UTC.
+fn parse_offset(b: &[u8], at: usize) -> Option<i64> {
+    match b.get(at)? {
+        b'Z' | b'z' if at + 1 == b.len() => Some(0),
         sign @ (b'+' | b'-') if at + 6 == b.len() && b[at + 3] == b':' => {
-            let oh = num(at + 1..at + 3)?;
-            let om = num(at + 4..at + 6)?;
+            let oh = digits(b, at + 1..at + 3)?;
+            let om = digits(b, at + 4..at + 6)?;
             if oh > 23 || om > 59 {
                 return None;
             }
             let magnitude = i64::from(oh * 3600 + om * 60);
-            if *sign == b'+' {
-                magnitude
-            } else {
-                -magnitude
-            }
+            Some(if *sign == b'+' { magnitude } else { -magnitude })
         }
-        _ => return None,
-    };
-    let days = days_from_civil(i64::from(year), month, day);
-    let local = days * 86_400 + i64::from(hour * 3600 + minute * 60 + second);
-    let utc_secs = local - offset_secs;
-    let ms = utc_secs.checked_mul(1000)?.checked_add(i64::from(millis))?;
-    u64::try_from(ms).ok()
+        _ => None,
+    }
+}
+
+/// The decimal value of `b[range]` when every byte there is an ASCII digit.
+fn digits(b: &[u8], range: std::ops::Range<usize>) -> Option<u32> {
+    let mut value = 0u32;
+    for &d in b.get(range)? {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        value = value * 10 + u32::from(d - b'0');
+    }
+    Some(value)
 }
 
 fn is_leap(year: u32) -> bool {
