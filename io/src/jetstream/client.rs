@@ -160,7 +160,7 @@ impl Log {
         PullSource::bind(&self.context, EVENTS_STREAM, REDIS_SYNC_CONSUMER).await
     }
 
-    /// Polls the `order-writer` backlog once (see [`LogLag`]).
+    /// Polls the `order-writer` backlog once (see [`LogLag`](super::lag::LogLag)).
     pub async fn poll_order_writer_lag(&self, now_ms: u64) -> Result<LagSample, LogError> {
         lag::poll(&self.context, ORDERS_STREAM, ORDER_WRITER_CONSUMER, now_ms).await
     }

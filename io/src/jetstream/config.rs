@@ -48,7 +48,7 @@ pub struct LogConfig {
     /// First pause before retrying a publish that found no stream; doubles per retry, bounded
     /// by the publish timeout.
     pub no_stream_retry_ms: u64,
-    /// Most publish acks outstanding on one [`Log`] at a time (below
+    /// Most publish acks outstanding on one [`Log`](super::client::Log) at a time (below
     /// [`CLIENT_ACKS_OUTSTANDING_LIMIT`]); a publish beyond it waits for a free slot within its
     /// timeout.
     pub publish_acks_outstanding_max: usize,

@@ -25,8 +25,8 @@ pub enum ScriptError {
     /// function ran, so what it wrote is unknown.
     #[error("unexpected reply: {0}")]
     UnexpectedReply(String),
-    /// An argument the library would reject (an id longer than [`ID_LEN_MAX`] or empty);
-    /// nothing was sent.
+    /// An argument the library would reject (an id longer than
+    /// [`ID_LEN_MAX`](super::keys::ID_LEN_MAX) or empty); nothing was sent.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
     /// The library refused an argument (`-ERR seckill: bad <what>`): the function ran only its

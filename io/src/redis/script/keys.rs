@@ -123,7 +123,7 @@ pub(super) fn check_id(id: &str, name: &'static str) -> Result<(), ScriptError> 
     Ok(())
 }
 
-/// A key built on the stack: prefix + kind + id, at most [`KEY_LEN_MAX`] bytes.
+/// A key built on the stack: prefix + kind + id, at most `KEY_LEN_MAX` bytes.
 #[derive(Clone, Copy)]
 pub struct KeyBuf {
     len: usize,
