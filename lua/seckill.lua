@@ -6,7 +6,8 @@
 --
 -- What it is not: the truth. PostgreSQL decides whether an order exists; everything written
 -- here may be lost on failover and is repaired from PostgreSQL's outbox events. Rust binding
--- and reply parsing: io/src/redis/script.rs. Branch-by-branch tests: tests/tests/lua_functions.rs.
+-- and reply parsing: io/src/redis/script/ (one file per function). Branch-by-branch tests:
+-- tests/tests/lua_functions.rs.
 --
 -- Conventions shared by every function:
 -- * All keys of one SKU share the prefix `seckill:{A:S}:` (A = activity id, S = sku id; the
@@ -29,7 +30,7 @@
 
 local ID_LEN_MAX = 128
 local CLAIM_BATCH_MAX = 512
--- Reservations one mark_sent call marks (io/src/redis/script.rs MARK_SENT_MAX).
+-- Reservations one mark_sent call marks (io/src/redis/script/mark_sent.rs MARK_SENT_MAX).
 local MARK_SENT_MAX = 256
 -- 2^52 * any positive base exceeds every representable backoff_max_ms (< 10^15), so capping the
 -- exponent here only avoids computing infinities, it never changes a result.

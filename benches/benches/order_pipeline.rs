@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use flashsale_engine::app::cpu::{postgres_ticks, self_ticks, TICKS_PER_S};
 use flashsale_engine::app::stack::{Kind, Server};
-use flashsale_io::log::{Log, LogConfig};
+use flashsale_io::jetstream::{Log, LogConfig};
 use flashsale_io::wire::{OrderCreate, ORDER_CREATE_EVENT_TYPE};
 use flashsale_pg_worker::{
     check_invariants, generate_tokens, migrate, start, OrderPath, PgPoolConfig, WorkerConfig,
@@ -425,10 +425,10 @@ async fn run_case(
     // is acked only after its order committed. Polling JetStream every 5 ms costs the machine
     // far less than counting orders in PostgreSQL that often.
     let orders_stream =
-        log.context().get_stream(flashsale_io::log::ORDERS_STREAM).await.expect("stream");
+        log.context().get_stream(flashsale_io::jetstream::ORDERS_STREAM).await.expect("stream");
     loop {
         let info = orders_stream
-            .consumer_info(flashsale_io::log::ORDER_WRITER_CONSUMER)
+            .consumer_info(flashsale_io::jetstream::ORDER_WRITER_CONSUMER)
             .await
             .expect("consumer info");
         if info.num_pending == 0 && info.num_ack_pending == 0 {

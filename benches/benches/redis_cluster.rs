@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use flashsale_benches::{on_glommio, BenchRedis};
 use flashsale_engine::app::stack::{redis_call, RedisCluster};
+use flashsale_io::redis::fence::MinReplicaAcks;
 use flashsale_io::redis::layout::ActivityStatus;
-use flashsale_io::redis::router::{MinReplicaAcks, Router, RouterConfig};
+use flashsale_io::redis::router::{Router, RouterConfig};
 use flashsale_io::redis::script::{Functions, PreheatArgs, ReserveArgs, ReserveReply, SkuKeys};
 use flashsale_io::redis::RedisConfig;
 

@@ -1171,7 +1171,7 @@ const SANS_IO_FORBIDDEN: &[(&str, &str)] = &[
     ("flashsale_io::redis::reads", "Redis calls belong to the I/O layers"),
     ("flashsale_io::redis::connection", "Redis calls belong to the I/O layers"),
     ("RedisClient", "Redis calls belong to the I/O layers"),
-    ("flashsale_io::log", "the log belongs to `durable/`"),
+    ("flashsale_io::jetstream", "the log belongs to `durable/`"),
     ("tokio_postgres", "PostgreSQL belongs to `durable/` (through pg-worker)"),
     ("deadpool", "PostgreSQL belongs to `durable/` (through pg-worker)"),
     ("deadpool_postgres", "PostgreSQL belongs to `durable/` (through pg-worker)"),

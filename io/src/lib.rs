@@ -4,7 +4,8 @@
 //!   encoded by hand into reused buffers.
 //! - [`redis`]: the pipelined Redis connection for glommio and [`redis::script`], the binding
 //!   of the `seckill` Redis Functions library in `lua/`.
-//! - [`log`]: the JetStream side (streams, consumers, publishing with `Nats-Msg-Id`).
+//! - [`jetstream`]: the JetStream client of the replicated log (streams, consumers, publishing
+//!   with `Nats-Msg-Id`, dead letters, lag).
 //! - [`wire`]: the order-create message and outbox event schemas.
 //! - [`bounds`]: the one set of bounds for every id and number a buyer or an operator sends.
 //! - [`key`] and [`payment`]: the one prepared HMAC key type and the payment provider's
@@ -15,8 +16,8 @@
 //! says "outcome unknown" when it cannot know.
 
 pub mod bounds;
+pub mod jetstream;
 pub mod key;
-pub mod log;
 pub mod payment;
 pub mod redis;
 pub mod resp;

@@ -239,73 +239,125 @@ pub fn scan(buf: &[u8], limits: &DecodeLimits) -> Result<Option<usize>, Protocol
         if elements > limits.elements_total_max {
             return Err(ProtocolError::TooManyElements { max: limits.elements_total_max });
         }
-        match kind {
-            b'+' => {}
-            b'-' => {
-                // Found by fuzzing (fuzz/fuzz_targets/resp_decode.rs): without this the
-                // pre-scan accepted `-\xff\r\n` and the decoder then failed on it.
-                if std::str::from_utf8(line).is_err() {
-                    return Err(ProtocolError::InvalidErrorText);
+        match scan_element(kind, line, buf, pos, limits)? {
+            Element::Incomplete => return Ok(None),
+            Element::OpensArray(len) => {
+                if depth == depth_max {
+                    return Err(ProtocolError::TooDeep { max: depth_max });
                 }
+                remaining[depth] = len;
+                depth += 1;
+                // The array completes when its last element does.
+                continue;
             }
-            b':' => {
-                parse_i64(line)?;
-            }
-            b'$' => {
-                let len = parse_i64(line)?;
-                if len >= 0 {
-                    if len as u64 > limits.bulk_len_max as u64 {
-                        return Err(ProtocolError::BulkTooLong { len, max: limits.bulk_len_max });
-                    }
-                    // `len` ≤ bulk_len_max, so this cannot overflow.
-                    let end = pos + len as usize;
-                    if end + 2 > limits.frame_bytes_max {
-                        return Err(ProtocolError::FrameTooLarge { max: limits.frame_bytes_max });
-                    }
-                    if buf.len() < end + 2 {
-                        return Ok(None);
-                    }
-                    if &buf[end..end + 2] != b"\r\n" {
-                        return Err(ProtocolError::MissingCrlf);
-                    }
-                    pos = end + 2;
-                } else if len != -1 {
-                    return Err(ProtocolError::NegativeLength(len));
-                }
-            }
-            b'*' => {
-                let len = parse_i64(line)?;
-                if len > 0 {
-                    if len as u64 > limits.array_len_max as u64 {
-                        return Err(ProtocolError::ArrayTooLong { len, max: limits.array_len_max });
-                    }
-                    if depth == depth_max {
-                        return Err(ProtocolError::TooDeep { max: depth_max });
-                    }
-                    remaining[depth] = len as usize;
-                    depth += 1;
-                    // The array completes when its last element does.
-                    continue;
-                } else if len < -1 {
-                    return Err(ProtocolError::NegativeLength(len));
-                }
-            }
-            other => return Err(ProtocolError::InvalidType(other)),
+            Element::Complete(end) => pos = end,
         }
         if pos > limits.frame_bytes_max {
             return Err(ProtocolError::FrameTooLarge { max: limits.frame_bytes_max });
         }
-        // One element is complete; close every array it completes.
-        loop {
-            if depth == 0 {
-                return Ok(Some(pos));
-            }
-            remaining[depth - 1] -= 1;
-            if remaining[depth - 1] > 0 {
-                break;
-            }
-            depth -= 1;
+        if close_arrays(&mut remaining, &mut depth) {
+            return Ok(Some(pos));
         }
+    }
+}
+
+/// What one element's header line (and, for a bulk string, its body) does to [`scan`]'s walk.
+enum Element {
+    /// The element is complete; the walk goes on at this offset.
+    Complete(usize),
+    /// An array of this many (at least one) elements opens; they follow its header line.
+    OpensArray(usize),
+    /// A bulk string's body has not all arrived yet.
+    Incomplete,
+}
+
+/// Checks one element whose header `line` (type byte `kind`) ends at `pos`.
+#[inline]
+fn scan_element(
+    kind: u8,
+    line: &[u8],
+    buf: &[u8],
+    pos: usize,
+    limits: &DecodeLimits,
+) -> Result<Element, ProtocolError> {
+    match kind {
+        b'+' => Ok(Element::Complete(pos)),
+        b'-' => {
+            // Found by fuzzing (fuzz/fuzz_targets/resp_decode.rs): without this the
+            // pre-scan accepted `-\xff\r\n` and the decoder then failed on it.
+            if std::str::from_utf8(line).is_err() {
+                return Err(ProtocolError::InvalidErrorText);
+            }
+            Ok(Element::Complete(pos))
+        }
+        b':' => {
+            parse_i64(line)?;
+            Ok(Element::Complete(pos))
+        }
+        b'$' => skip_bulk(parse_i64(line)?, buf, pos, limits),
+        b'*' => {
+            let len = parse_i64(line)?;
+            if len > 0 {
+                if len as u64 > limits.array_len_max as u64 {
+                    return Err(ProtocolError::ArrayTooLong { len, max: limits.array_len_max });
+                }
+                Ok(Element::OpensArray(len as usize))
+            } else if len < -1 {
+                Err(ProtocolError::NegativeLength(len))
+            } else {
+                Ok(Element::Complete(pos))
+            }
+        }
+        other => Err(ProtocolError::InvalidType(other)),
+    }
+}
+
+/// A bulk string of declared length `len` whose body starts at `pos`: skipped by length, never
+/// buffered past the limits.
+#[inline]
+fn skip_bulk(
+    len: i64,
+    buf: &[u8],
+    pos: usize,
+    limits: &DecodeLimits,
+) -> Result<Element, ProtocolError> {
+    if len < 0 {
+        return if len == -1 {
+            Ok(Element::Complete(pos))
+        } else {
+            Err(ProtocolError::NegativeLength(len))
+        };
+    }
+    if len as u64 > limits.bulk_len_max as u64 {
+        return Err(ProtocolError::BulkTooLong { len, max: limits.bulk_len_max });
+    }
+    // `len` ≤ bulk_len_max, so this cannot overflow.
+    let end = pos + len as usize;
+    if end + 2 > limits.frame_bytes_max {
+        return Err(ProtocolError::FrameTooLarge { max: limits.frame_bytes_max });
+    }
+    if buf.len() < end + 2 {
+        return Ok(Element::Incomplete);
+    }
+    if &buf[end..end + 2] != b"\r\n" {
+        return Err(ProtocolError::MissingCrlf);
+    }
+    Ok(Element::Complete(end + 2))
+}
+
+/// One element is complete: closes every open array it completes. True when that closed the
+/// outermost one (or there was none): the frame is complete.
+#[inline]
+fn close_arrays(remaining: &mut [usize; DEPTH_MAX_LIMIT], depth: &mut usize) -> bool {
+    loop {
+        if *depth == 0 {
+            return true;
+        }
+        remaining[*depth - 1] -= 1;
+        if remaining[*depth - 1] > 0 {
+            return false;
+        }
+        *depth -= 1;
     }
 }
 
@@ -761,6 +813,13 @@ mod tests {
             if let Ok(Some(_)) = decode(&mut buf) {
                 prop_assert!(buf.len() < before);
             }
+        }
+    }
+
+    #[test]
+    fn u64_text() {
+        for n in [0, 7, 10, 1_234_567_890_123, u64::MAX] {
+            assert_eq!(U64Text::new(n).as_bytes(), n.to_string().as_bytes());
         }
     }
 }

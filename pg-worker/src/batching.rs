@@ -1,7 +1,7 @@
 //! How many deliveries an order-writer asks for next, decided without I/O.
 //!
 //! What it is: [`FetchSizer`]. A pull returns at once with whatever is waiting, up to the
-//! ask, and only an empty consumer makes it wait (for ONE message, `io::log::PullSource::
+//! ask, and only an empty consumer makes it wait (for ONE message, `io::jetstream::PullSource::
 //! fetch`), so a lone message is never held back to fill a batch whatever the ask. The ask
 //! therefore only matters under a backlog, and there it is the batch size (one pull is one
 //! set-based transaction): it doubles after every pull that came back full (more was waiting)

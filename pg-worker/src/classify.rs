@@ -23,6 +23,8 @@
 
 use flashsale_io::wire::{DecodeError, OrderCreate, RejectReason, ReservationEvent};
 
+use crate::compensation::RejectedEvent;
+
 /// The result of one message inside the batch transaction. Only meaningful to settle if the
 /// transaction committed (see [`Attempt`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,8 +148,8 @@ pub fn classify(attempt: Attempt<'_>, delivered: u32, policy: &RetryPolicy) -> A
 }
 
 /// The outbox event a committed outcome announces, if any: `order_created` for an order (new
-/// or re-announced), `compensate` with [`RejectReason::compensation`]'s flags for a rejection
-/// (new or re-announced). Rolled-back outcomes announce nothing.
+/// or re-announced), `compensate` with the flags of THE rule (`compensation.rs`) for a
+/// rejection (new or re-announced). Rolled-back outcomes announce nothing.
 pub fn event_for(
     message: &OrderCreate,
     outcome: &WriteOutcome,

@@ -70,7 +70,7 @@ pub enum PgError {
 
     /// The replicated log (JetStream) failed; the worker's other boundary.
     #[error(transparent)]
-    Log(#[from] flashsale_io::log::LogError),
+    Log(#[from] flashsale_io::jetstream::LogError),
 
     /// A worker configuration that cannot work (refused at start-up).
     #[error("invalid worker configuration: {0}")]

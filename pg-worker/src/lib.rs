@@ -13,6 +13,7 @@
 //!   `settle_expired`: an operator's settlement through that path;
 //!   `classify`: the sans-I/O rules that settle each delivery (ack after commit,
 //!   NAK with backoff, dead letter) and the event each outcome announces;
+//!   `compensation`: THE rule of which Redis effects each rejection undoes;
 //! - `outbox`: `SKIP LOCKED` batches of `event_outbox` to `SECKILL_EVENTS`;
 //! - `worker`: the pool of tasks on its own tokio runtime (`start` →
 //!   `WorkerHandle`; `WorkerConfig` in `worker/config.rs`, one file per task), used by
@@ -37,6 +38,7 @@ pub mod audit;
 pub mod batch_events;
 pub mod batching;
 pub mod classify;
+pub mod compensation;
 pub mod error;
 pub mod lifecycle;
 pub mod migrate;

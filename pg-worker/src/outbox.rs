@@ -13,10 +13,10 @@
 //! publishers (events of one reservation are produced by one transaction, and `redis-sync`'s
 //! Lua functions are order-tolerant: a final outcome is never overwritten).
 //!
-//! Read next: `io/src/log/publisher.rs`.
+//! Read next: `io/src/jetstream/publisher.rs`.
 
 use bytes::Bytes;
-use flashsale_io::log::Publisher;
+use flashsale_io::jetstream::Publisher;
 use flashsale_io::wire::EventType;
 use serde::Deserialize;
 

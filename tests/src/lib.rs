@@ -855,11 +855,11 @@ impl Engine {
     pub fn publish_event(&self, event_id: i64, event: &flashsale_io::wire::ReservationEvent) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
-            let config = flashsale_io::log::LogConfig {
+            let config = flashsale_io::jetstream::LogConfig {
                 url: self.nats.url(),
-                ..flashsale_io::log::LogConfig::default()
+                ..flashsale_io::jetstream::LogConfig::default()
             };
-            let log = flashsale_io::log::Log::connect(&config).await.unwrap();
+            let log = flashsale_io::jetstream::Log::connect(&config).await.unwrap();
             log.publisher()
                 .publish_event(event_id, event.event_type, bytes::Bytes::from(event.encode()), None)
                 .await

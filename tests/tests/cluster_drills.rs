@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flashsale_io::redis::router::MinReplicaAcks;
+use flashsale_io::redis::fence::MinReplicaAcks;
 use flashsale_io::redis::slot::Slot;
 use flashsale_tests::sale::{self, Answers};
 use flashsale_tests::{redis_cluster, small_worker, state, wait_for_ms, Engine, HttpClient};

@@ -462,9 +462,9 @@ fn events_acked(engine: &Engine) -> u64 {
     runtime.block_on(async {
         let client = async_nats::connect(engine.nats.url()).await.unwrap();
         let js = async_nats::jetstream::new(client);
-        let stream = js.get_stream(flashsale_io::log::EVENTS_STREAM).await.unwrap();
+        let stream = js.get_stream(flashsale_io::jetstream::EVENTS_STREAM).await.unwrap();
         let mut consumer: async_nats::jetstream::consumer::PullConsumer =
-            stream.get_consumer(flashsale_io::log::REDIS_SYNC_CONSUMER).await.unwrap();
+            stream.get_consumer(flashsale_io::jetstream::REDIS_SYNC_CONSUMER).await.unwrap();
         consumer.info().await.unwrap().ack_floor.stream_sequence
     })
 }
@@ -476,6 +476,7 @@ fn wait_for(what: &str, f: impl FnMut() -> bool) {
 #[test]
 fn redis_sync_applies_results_and_compensation_clears_sold_out() {
     use flashsale_io::wire::{RejectReason, ReservationEvent};
+    use flashsale_pg_worker::compensation::RejectedEvent;
     let engine = Engine::start();
     engine.create_activity(81, 82, 1);
     let mut c = HttpClient::connect(engine.http());

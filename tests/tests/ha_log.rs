@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use flashsale_engine::app::config::{Config, Env, Overrides};
 use flashsale_engine::app::serve;
-use flashsale_io::log::async_nats::jetstream::stream;
-use flashsale_io::log::{Log, LogConfig, ORDERS_STREAM, REPLICATED_STREAMS};
+use flashsale_io::jetstream::async_nats::jetstream::stream;
+use flashsale_io::jetstream::{Log, LogConfig, ORDERS_STREAM, REPLICATED_STREAMS};
 use flashsale_tests::sale::{self, assert_promise_kept, Buyers};
 use flashsale_tests::{nats_cluster, PrivateNatsCluster};
 
@@ -111,7 +111,7 @@ fn log_replicas_3_makes_every_stream_r3_and_the_placement_gauges_follow_the_peer
     for leader in [
         cluster.meta_leader(),
         cluster.stream_leader(ORDERS_STREAM),
-        cluster.consumer_leader(ORDERS_STREAM, flashsale_io::log::ORDER_WRITER_CONSUMER),
+        cluster.consumer_leader(ORDERS_STREAM, flashsale_io::jetstream::ORDER_WRITER_CONSUMER),
     ] {
         assert!(leader.as_ref().is_some_and(|l| names.contains(l)), "{leader:?} in {names:?}");
     }
@@ -303,7 +303,7 @@ fn kill_9_of_the_stream_leader_mid_publish_publishes_fail_then_resume_and_dedup_
 
 /// Which of the three leaderships `node` holds right now.
 fn roles_of(cluster: &PrivateNatsCluster, node: &str) -> Vec<&'static str> {
-    let consumer = flashsale_io::log::ORDER_WRITER_CONSUMER;
+    let consumer = flashsale_io::jetstream::ORDER_WRITER_CONSUMER;
     [
         ("stream", cluster.stream_leader(ORDERS_STREAM)),
         ("consumer", cluster.consumer_leader(ORDERS_STREAM, consumer)),
@@ -345,9 +345,8 @@ fn stream_consumer_and_meta_leaders_killed_mid_sale_every_queued_buyer_gets_one_
         std::thread::sleep(Duration::from_secs(3));
         let leader = match role {
             "stream" => cluster.stream_leader(ORDERS_STREAM),
-            "consumer" => {
-                cluster.consumer_leader(ORDERS_STREAM, flashsale_io::log::ORDER_WRITER_CONSUMER)
-            }
+            "consumer" => cluster
+                .consumer_leader(ORDERS_STREAM, flashsale_io::jetstream::ORDER_WRITER_CONSUMER),
             _ => cluster.meta_leader(),
         };
         let leader = leader.unwrap_or_else(|| panic!("no {role} leader"));

@@ -12,12 +12,12 @@
 
 use std::collections::HashMap;
 
-use flashsale_io::redis::layout::ActivityStatus;
+use flashsale_io::redis::layout::{ActivityStatus, PendingStatus};
 use flashsale_io::redis::script::{
     load_library, ActivityInvalidReason, ApplyResultArgs, ApplyResultReply, ClaimDueArgs,
     ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions, MarkSent,
-    MarkSentArgs, MarkSentReply, PendingStatus, PreheatArgs, PreheatReply, RequestState,
-    ReserveArgs, ReserveReply, ScriptError, SkuKeys, TopUpArgs, TopUpReply, MARK_SENT_MAX,
+    MarkSentArgs, MarkSentReply, PreheatArgs, PreheatReply, RequestState, ReserveArgs,
+    ReserveReply, ScriptError, SkuKeys, TopUpArgs, TopUpReply, MARK_SENT_MAX,
 };
 use flashsale_io::redis::{RedisClient, RedisConfig};
 use flashsale_io::resp::Reply;

@@ -6,8 +6,8 @@
 //! |---------------------------|------------------------------|-----------------------------|
 //! | `negctl.scanner_off`      | engine/src/shard/scanner.rs  | QUEUED buyers whose message was lost get no order |
 //! | `negctl.inbox_dedup_off`  | pg-worker/src/plan.rs        | the redelivered batch planned afresh, refused by the reservation key |
-//! | `negctl.nats_msg_id_off`  | io/src/log/publisher.rs      | a republished message stored twice |
-//! | `negctl.comp_marker_off`  | io/src/redis/script.rs       | stock returned twice for one reservation |
+//! | `negctl.nats_msg_id_off`  | io/src/jetstream/publisher.rs | a republished message stored twice |
+//! | `negctl.comp_marker_off`  | io/src/redis/script/client.rs | stock returned twice for one reservation |
 //!
 //! And the other way round, a bug switched ON where a release assertion guards the invariant:
 //! `plan_bug.extra_unit` (pg-worker/src/plan.rs) plans one unit more than PostgreSQL locked; the
@@ -22,8 +22,11 @@ mod pipeline_support;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use flashsale_io::log::{EVENTS_STREAM, ORDERS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER};
+use flashsale_io::jetstream::{
+    EVENTS_STREAM, ORDERS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER,
+};
 use flashsale_io::wire::{OrderCreate, RejectReason, ReservationEvent};
+use flashsale_pg_worker::compensation::{RejectedEvent, RejectionCompensation};
 use flashsale_pg_worker::plan::{self, Facts, RecordedRow, SkuClaim, SkuFacts};
 use flashsale_pg_worker::set_writer::{write_set_once, Attempt};
 use flashsale_pg_worker::{build_pool, start, write_batch, PgPoolConfig, WriteOutcome};

@@ -19,7 +19,7 @@ mod pipeline_support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use flashsale_io::log::{
+use flashsale_io::jetstream::{
     DLQ_DELIVERIES_HEADER, DLQ_ERROR_HEADER, DLQ_STREAM, EVENTS_STREAM, ORDERS_STREAM,
     ORDER_CREATE_SUBJECT, ORDER_WRITER_CONSUMER,
 };

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use flashsale_engine::logic::key::HmacKey;
 use flashsale_engine::logic::payment::Signed;
-use flashsale_io::log::{EVENTS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER};
+use flashsale_io::jetstream::{EVENTS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER};
 use flashsale_io::wire::{decode_event, EventType, ReservationEvent};
 use flashsale_pg_worker::payments::{
     apply_callback, cancel_order, close_due_orders, find_order, mark_payment_unknown,
@@ -599,8 +599,8 @@ fn engine_invariants(engine: &Engine, activity: i64, sku: i64) {
 fn redis_sync_idle(engine: &Engine) -> bool {
     let url = engine.nats.url();
     pg(async move {
-        let client = flashsale_io::log::async_nats::connect(url).await.unwrap();
-        let js = flashsale_io::log::async_nats::jetstream::new(client);
+        let client = flashsale_io::jetstream::async_nats::connect(url).await.unwrap();
+        let js = flashsale_io::jetstream::async_nats::jetstream::new(client);
         let stream = js.get_stream(EVENTS_STREAM).await.unwrap();
         let info = stream.consumer_info(REDIS_SYNC_CONSUMER).await.unwrap();
         info.num_pending == 0 && info.num_ack_pending == 0

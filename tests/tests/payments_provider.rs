@@ -17,8 +17,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use flashsale_io::jetstream::ORDER_WRITER_CONSUMER;
 use flashsale_io::key::HmacKey;
-use flashsale_io::log::ORDER_WRITER_CONSUMER;
 use flashsale_io::payment::{Signed, StatusAnswer, StatusRequest};
 use flashsale_pg_worker::payments::{
     apply_callback, close_due_orders_verified, list_refunds, CallbackOutcome, PaymentCallback,

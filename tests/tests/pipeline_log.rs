@@ -10,8 +10,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use bytes::Bytes;
-use flashsale_io::log::async_nats::jetstream::{consumer, stream};
-use flashsale_io::log::{
+use flashsale_io::jetstream::async_nats::jetstream::{consumer, stream};
+use flashsale_io::jetstream::{
     Log, LogConfig, LogError, DLQ_STREAM, EVENTS_STREAM, ORDERS_STREAM, ORDER_WRITER_CONSUMER,
     REDIS_SYNC_CONSUMER,
 };
@@ -256,7 +256,7 @@ fn pump(from: std::net::TcpStream, mut to: std::net::TcpStream, counts: &ProxyCo
             }
             line.extend_from_slice(&payload);
             let subject = words.get(1).copied().unwrap_or("");
-            if up && subject == flashsale_io::log::ORDER_CREATE_SUBJECT {
+            if up && subject == flashsale_io::jetstream::ORDER_CREATE_SUBJECT {
                 counts.published.fetch_add(1, SeqCst);
             } else if !up && subject.starts_with("_INBOX.") {
                 counts.acked.fetch_add(1, SeqCst);
@@ -366,7 +366,7 @@ async fn outbox_publishers_side_by_side_publish_every_event_and_mark_it_once() {
 
     // Then two publishers race for the rest.
     let run = |pool: flashsale_pg_worker::deadpool_postgres::Pool,
-               publisher: flashsale_io::log::Publisher| async move {
+               publisher: flashsale_io::jetstream::Publisher| async move {
         let mut mine = Vec::new();
         let mut marked = 0;
         loop {

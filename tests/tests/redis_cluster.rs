@@ -31,8 +31,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use flashsale_io::redis::fence::MinReplicaAcks;
 use flashsale_io::redis::layout::ActivityStatus;
-use flashsale_io::redis::router::{MinReplicaAcks, Router, RouterConfig};
+use flashsale_io::redis::router::{Router, RouterConfig};
 use flashsale_io::redis::script::{
     Functions, PreheatArgs, PreheatReply, RequestState, ReserveArgs, ReserveReply, ScriptError,
     SkuKeys,

@@ -237,7 +237,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
     let reservation = v["reservation_id"].as_str().unwrap().to_owned();
     // And a body no schema version explains, published where the edge publishes.
     runtime.block_on(async {
-        let log = flashsale_io::log::Log::connect(&flashsale_io::log::LogConfig {
+        let log = flashsale_io::jetstream::Log::connect(&flashsale_io::jetstream::LogConfig {
             url: engine.nats.url(),
             ..Default::default()
         })
@@ -245,7 +245,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
         .unwrap();
         let body = bytes::Bytes::from_static(b"{\"schema_version\":99}");
         log.publisher()
-            .publish(flashsale_io::log::ORDER_CREATE_SUBJECT, "poison-1", None, &[], body)
+            .publish(flashsale_io::jetstream::ORDER_CREATE_SUBJECT, "poison-1", None, &[], body)
             .await
             .unwrap();
     });
@@ -272,7 +272,7 @@ fn dead_letters_are_listed_replayed_once_and_discarded() {
     assert_eq!(contended["consumer"], "order-writer", "{contended}");
     assert_eq!(contended["deliveries"], 2, "{contended}");
     assert!(contended["error"].as_str().unwrap().contains("deliveries exhausted"), "{contended}");
-    assert_eq!(contended["source_subject"], flashsale_io::log::ORDER_CREATE_SUBJECT);
+    assert_eq!(contended["source_subject"], flashsale_io::jetstream::ORDER_CREATE_SUBJECT);
     let poison = find("schema_version\":99");
     assert_eq!(poison["deliveries"], 1, "dead-lettered at once: {poison}");
     let seq = |letter: &serde_json::Value| letter["sequence"].as_u64().unwrap().to_string();

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use flashsale_io::log::LogConfig;
+use flashsale_io::jetstream::LogConfig;
 
 use crate::app::stack::StackEnv;
 
@@ -37,7 +37,7 @@ pub struct Config {
     pub redis_url: String,
     /// `FLASHSALE_REDIS_MIN_REPLICA_ACKS` over `[redis] min_replica_acks` over `auto` (1 when
     /// every master serving the SKUs has a replica, else 0 with a start-up warning).
-    pub redis_min_replica_acks: flashsale_io::redis::router::MinReplicaAcks,
+    pub redis_min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks,
     pub pg_url: String,
     pub nats_url: String,
     pub http_addr: SocketAddr,
@@ -525,8 +525,8 @@ fn instance_id(
 fn min_replica_acks(
     env: &Env,
     file: Option<String>,
-) -> Result<flashsale_io::redis::router::MinReplicaAcks, ConfigError> {
-    use flashsale_io::redis::router::MinReplicaAcks;
+) -> Result<flashsale_io::redis::fence::MinReplicaAcks, ConfigError> {
+    use flashsale_io::redis::fence::MinReplicaAcks;
     match env.get("FLASHSALE_REDIS_MIN_REPLICA_ACKS").cloned().or(file) {
         None => Ok(MinReplicaAcks::Auto),
         Some(text) => MinReplicaAcks::parse(&text).map_err(|message| ConfigError::Invalid {
@@ -807,7 +807,7 @@ mod tests {
 
     #[test]
     fn redis_seeds_and_replica_acks() {
-        use flashsale_io::redis::router::MinReplicaAcks;
+        use flashsale_io::redis::fence::MinReplicaAcks;
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("f.toml");
         let toml = "[redis]\nurl = \"redis://a:1,b:2\"\nmin_replica_acks = \"2\"\n";

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flashsale_io::log::LogConfig;
+use flashsale_io::jetstream::LogConfig;
 use flashsale_io::redis::RedisConfig;
 use glommio::channels::channel_mesh::MeshBuilder;
 use glommio::{ExecutorJoinHandle, LocalExecutorBuilder, Placement};
@@ -182,7 +182,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
             ..RedisConfig::new(redis)
         },
         redis_seeds: vec![redis],
-        min_replica_acks: flashsale_io::redis::router::MinReplicaAcks::Auto,
+        min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks::Auto,
         pending_grace_ms: 2_000,
         order_deadline_ms: 10_000,
         publish_wait_ms: 500,

@@ -1,6 +1,6 @@
 //! The durable side's one error type at its boundary with the shards.
 
-use flashsale_io::log::LogError;
+use flashsale_io::jetstream::LogError;
 use flashsale_pg_worker::PgError;
 
 #[derive(Debug, thiserror::Error)]

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flashsale_io::log::LogLag;
+use flashsale_io::jetstream::LogLag;
 use flashsale_pg_worker::pool::{Connector, PgPoolConfig};
 
 use super::wait::pause;
@@ -53,7 +53,7 @@ impl Health {
 /// connector tries the host that answered first next time. The ping itself is bounded by
 /// `every`; a connection that missed it is dropped.
 pub async fn poll_health(
-    log: flashsale_io::log::Log,
+    log: flashsale_io::jetstream::Log,
     pg_url: String,
     health: Arc<Health>,
     every: Duration,
@@ -70,7 +70,7 @@ pub async fn poll_health(
                     Err(_) => tracing::debug!("backlog poll timed out"),
                 }
                 match tokio::time::timeout(every, log.poll_placement()).await {
-                    Ok(placements) => flashsale_io::log::record_placement(&placements),
+                    Ok(placements) => flashsale_io::jetstream::record_placement(&placements),
                     Err(_) => tracing::debug!("stream placement poll timed out"),
                 }
                 if pause(every, &mut stop).await {

@@ -1,7 +1,7 @@
 //! Leases among the engine instances on one set of stores (DESIGN.md section 11): a job that
 //! must run on one instance at a time (the periodic reconcile) runs where the lease is held.
 //!
-//! The lease is a key of the JetStream KV bucket [`flashsale_io::log::LEASES_BUCKET`], whose
+//! The lease is a key of the JetStream KV bucket [`flashsale_io::jetstream::LEASES_BUCKET`], whose
 //! messages expire after the lease period (`max_age`, counted by the NATS server: no
 //! instance's clock decides). An instance takes it with `create` (succeeds only when the key
 //! holds nothing: never taken, or expired), renews it every period / 3 with
@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flashsale_io::log::async_nats::jetstream::kv;
+use flashsale_io::jetstream::async_nats::jetstream::kv;
 
 use crate::logic::ids::InstanceId;
 
@@ -162,7 +162,7 @@ async fn attempt(
 /// Opens the lease bucket (retrying every `period / 3` until it answers or `stop`), then
 /// [`hold`]s `key`.
 pub async fn run(
-    log: flashsale_io::log::Log,
+    log: flashsale_io::jetstream::Log,
     key: &'static str,
     instance: InstanceId,
     period: Duration,

@@ -25,8 +25,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use flashsale_io::log::async_nats::jetstream;
-use flashsale_io::log::{Log, LogConfig, LogError, PublishAck, Publisher};
+use flashsale_io::jetstream::async_nats::jetstream;
+use flashsale_io::jetstream::{Log, LogConfig, LogError, PublishAck, Publisher};
 use flashsale_io::wire::OrderCreate;
 use flashsale_pg_worker::PgError;
 use futures::channel::oneshot;
@@ -76,7 +76,7 @@ pub enum DurableRequest {
     Pg(PgJob),
     /// Any other work against the log (see [`DurableHandle::log`]), e.g. the admin plane's
     /// dead-letter calls; bounded by `pg_timeout_ms` like a PostgreSQL job. The JetStream
-    /// calls themselves live in `flashsale_io::log`.
+    /// calls themselves live in `flashsale_io::jetstream`.
     Log(LogJob),
 }
 
@@ -352,7 +352,7 @@ struct Stores {
     publisher: Publisher,
     pool: Pool,
     modes_store: jetstream::kv::Store,
-    client: flashsale_io::log::async_nats::Client,
+    client: flashsale_io::jetstream::async_nats::Client,
 }
 
 async fn serve(

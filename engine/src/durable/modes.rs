@@ -9,7 +9,7 @@
 //!   submit reads its mode with one relaxed load and a few hash lookups, never a lock.
 //!   Every accepted snapshot is persisted (write + rename) before the revision moves, so the
 //!   last snapshot and the highest version survive restarts; an unreadable file fails closed.
-//! - Distribution: a JetStream KV bucket ([`flashsale_io::log::MODES_BUCKET`], one key per
+//! - Distribution: a JetStream KV bucket ([`flashsale_io::jetstream::MODES_BUCKET`], one key per
 //!   scope), watched by every instance ([`watch`]). It is not the Redis being protected: a mode
 //!   change must reach the fleet when Redis is the problem. `POST /admin/v1/mode` checks a
 //!   snapshot against the local table first (a dry run), puts it into the bucket by
@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flashsale_io::log::async_nats;
+use flashsale_io::jetstream::async_nats;
 
 use super::error::DurableError;
 use super::wait::pause;

@@ -10,8 +10,8 @@
 //! the owner re-reads `stock` when its flag says sold out (the flag is never cleared on the
 //! notice's word alone: Redis stays the authority) and broadcasts the flip to its shards.
 
-use flashsale_io::log::async_nats;
-use flashsale_io::log::STOCK_RETURNED_PREFIX;
+use flashsale_io::jetstream::async_nats;
+use flashsale_io::jetstream::STOCK_RETURNED_PREFIX;
 use futures::StreamExt as _;
 
 use crate::durable::sync::SyncTargets;

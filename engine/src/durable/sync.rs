@@ -6,11 +6,11 @@
 //! is idempotent); an undecodable event is dead-lettered.
 //!
 //! Not here: what applying an event means (`shard/sync.rs`, on the owner shard), which Redis
-//! effects a rejection undoes (`io::wire::RejectReason::compensation`).
+//! effects a rejection undoes (`flashsale_pg_worker::compensation`).
 
 use std::time::Duration;
 
-use flashsale_io::log::{Delivery, Log, Publisher, REDIS_SYNC_CONSUMER};
+use flashsale_io::jetstream::{Delivery, Log, Publisher, REDIS_SYNC_CONSUMER};
 use flashsale_io::wire::{decode_event, ReservationEvent};
 use futures::channel::oneshot;
 use tokio::sync::mpsc;

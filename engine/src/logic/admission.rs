@@ -69,7 +69,7 @@ use crate::logic::circuit::CircuitState;
 use crate::logic::modes::{EffectiveMode, Mode, ModeSource};
 use crate::logic::outcome::SubmitOutcome;
 
-/// The `order-writer` backlog as last polled (`flashsale_io::log::LogLag`).
+/// The `order-writer` backlog as last polled (`flashsale_io::jetstream::LogLag`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backlog {
     /// Age of the oldest unsettled message at the time of the poll.

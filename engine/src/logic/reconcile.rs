@@ -46,6 +46,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use flashsale_io::redis::layout::ReservationRecord;
 use flashsale_io::wire::RejectReason;
+use flashsale_pg_worker::compensation::RejectionCompensation;
 use flashsale_pg_worker::reconcile::{IdSample, PgReconcile, PgReservation};
 use serde::Serialize;
 

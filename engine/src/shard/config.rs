@@ -49,7 +49,7 @@ pub struct EdgeConfig {
     pub redis_seeds: Vec<std::net::SocketAddr>,
     /// `FLASHSALE_REDIS_MIN_REPLICA_ACKS`: replicas that must hold a new reservation before it
     /// is promised (one `WAIT` per pipeline flush).
-    pub min_replica_acks: flashsale_io::redis::router::MinReplicaAcks,
+    pub min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks,
     /// `reserve`'s `pending_grace_ms`: how long a fresh reservation waits before the scanner
     /// may republish it.
     pub pending_grace_ms: u64,

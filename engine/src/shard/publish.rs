@@ -30,7 +30,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flashsale_io::log::{LogError, PublishAck};
+use flashsale_io::jetstream::{LogError, PublishAck};
 use flashsale_io::redis::script::{MarkSent, MarkSentArgs, SkuKeys, MARK_SENT_MAX};
 use flashsale_io::wire::OrderCreate;
 use futures::channel::oneshot;

@@ -18,7 +18,8 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use flashsale_io::redis::script::{ClaimDueArgs, PendingEntry, PendingStatus};
+use flashsale_io::redis::layout::{PendingEntry, PendingStatus};
+use flashsale_io::redis::script::ClaimDueArgs;
 use flashsale_io::wire::{OrderCreate, ReservationFacts};
 
 use super::publish::{publish_order, MsgIdentity, Origin};

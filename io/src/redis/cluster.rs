@@ -37,7 +37,7 @@ use bytes::BytesMut;
 use rand::Rng;
 
 use super::connection::{FenceConfig, FenceOutcome, Fenced, NotSentReason, UnknownReason};
-use super::router::MinReplicaAcks;
+use super::fence::MinReplicaAcks;
 use super::slot::{MapError, Redirect, Slot, SlotMap};
 use super::{RedisClient, RedisConfig, RedisError};
 use crate::resp::Reply;
@@ -233,11 +233,9 @@ impl ClusterClient {
         encode: impl Fn(&mut BytesMut),
     ) -> Result<Routed, RedisError> {
         let inner = &self.inner;
-        let mut hops = 0u32;
-        let mut tryagain = 0u32;
-        let mut asking: Option<Rc<Node>> = None;
+        let mut hops = Hops::default();
         loop {
-            let (node, ask) = match asking.take() {
+            let (node, ask) = match hops.asking.take() {
                 Some(node) => (node, true),
                 None => (
                     inner
@@ -260,47 +258,12 @@ impl ClusterClient {
                 Reply::Error(message) => Redirect::parse(message, node.addr.ip()),
                 _ => None,
             };
-            match redirect {
-                None => {
+            match inner.follow(redirect, &mut hops)? {
+                Next::Answer => {
                     return Ok(Routed { reply: fenced.reply, fence: fenced.fence, node: node.addr })
                 }
-                Some(Redirect::ClusterDown) => {
-                    inner.schedule_refresh();
-                    return Ok(Routed {
-                        reply: fenced.reply,
-                        fence: fenced.fence,
-                        node: node.addr,
-                    });
-                }
-                Some(Redirect::Moved { slot: moved, addr }) => {
-                    hops += 1;
-                    inner.bump(|s| s.moved_total += 1);
-                    if hops > inner.config.redirects_max {
-                        return Err(RedisError::NotSent(NotSentReason::RedirectsExhausted));
-                    }
-                    inner.apply_moved(moved, addr);
-                    inner.schedule_refresh();
-                }
-                Some(Redirect::Ask { addr, .. }) => {
-                    hops += 1;
-                    inner.bump(|s| s.ask_total += 1);
-                    if hops > inner.config.redirects_max {
-                        return Err(RedisError::NotSent(NotSentReason::RedirectsExhausted));
-                    }
-                    asking = Some(
-                        inner
-                            .node_at(addr)
-                            .ok_or(RedisError::NotSent(NotSentReason::NoNodeForSlot))?,
-                    );
-                }
-                Some(Redirect::TryAgain) => {
-                    tryagain += 1;
-                    inner.bump(|s| s.tryagain_total += 1);
-                    if tryagain > inner.config.tryagain_attempts_max {
-                        return Err(RedisError::NotSent(NotSentReason::TryAgainExhausted));
-                    }
-                    glommio::timer::sleep(inner.tryagain_backoff(tryagain)).await;
-                }
+                Next::Resend => {}
+                Next::ResendAfter(pause) => glommio::timer::sleep(pause).await,
             }
         }
     }
@@ -431,7 +394,72 @@ fn is_node_trouble(e: &RedisError) -> bool {
     )
 }
 
+/// How far one [`ClusterClient::request`] has travelled: redirects followed, `TRYAGAIN`
+/// retries made, and the node an `ASK` sends the next attempt to.
+#[derive(Default)]
+struct Hops {
+    redirects: u32,
+    tryagain: u32,
+    asking: Option<Rc<Node>>,
+}
+
+/// What a request does after one reply.
+enum Next {
+    /// The reply is the caller's (no redirect, or `CLUSTERDOWN`, which is the caller's too).
+    Answer,
+    /// Resend now: the map points elsewhere (`MOVED`), or `ASKING` goes first (`ASK`).
+    Resend,
+    /// Resend after this backoff (`TRYAGAIN`).
+    ResendAfter(Duration),
+}
+
 impl Inner {
+    /// Learns from one reply's redirect and decides the request's next step; past the bounds
+    /// the command is `NotSent` (it did not run).
+    #[inline]
+    fn follow(
+        self: &Rc<Self>,
+        redirect: Option<Redirect>,
+        hops: &mut Hops,
+    ) -> Result<Next, RedisError> {
+        match redirect {
+            None => Ok(Next::Answer),
+            Some(Redirect::ClusterDown) => {
+                self.schedule_refresh();
+                Ok(Next::Answer)
+            }
+            Some(Redirect::Moved { slot: moved, addr }) => {
+                hops.redirects += 1;
+                self.bump(|s| s.moved_total += 1);
+                if hops.redirects > self.config.redirects_max {
+                    return Err(RedisError::NotSent(NotSentReason::RedirectsExhausted));
+                }
+                self.apply_moved(moved, addr);
+                self.schedule_refresh();
+                Ok(Next::Resend)
+            }
+            Some(Redirect::Ask { addr, .. }) => {
+                hops.redirects += 1;
+                self.bump(|s| s.ask_total += 1);
+                if hops.redirects > self.config.redirects_max {
+                    return Err(RedisError::NotSent(NotSentReason::RedirectsExhausted));
+                }
+                let node =
+                    self.node_at(addr).ok_or(RedisError::NotSent(NotSentReason::NoNodeForSlot))?;
+                hops.asking = Some(node);
+                Ok(Next::Resend)
+            }
+            Some(Redirect::TryAgain) => {
+                hops.tryagain += 1;
+                self.bump(|s| s.tryagain_total += 1);
+                if hops.tryagain > self.config.tryagain_attempts_max {
+                    return Err(RedisError::NotSent(NotSentReason::TryAgainExhausted));
+                }
+                Ok(Next::ResendAfter(self.tryagain_backoff(hops.tryagain)))
+            }
+        }
+    }
+
     fn bump(&self, f: impl FnOnce(&mut ClusterStats)) {
         let mut stats = self.stats.get();
         f(&mut stats);

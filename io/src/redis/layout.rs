@@ -1,10 +1,13 @@
 //! What the engine's Redis holds, as plain data: the activity status stored in a SKU's
-//! `meta`, the set of active SKUs and its member encoding, and the records the typed reads of
-//! [`super::reads`] return (CONTRACT.md section 5).
+//! `meta`, the set of active SKUs and its member encoding, the records the typed reads of
+//! [`super::reads`] return, and the pending entries `claim_due` hands back (CONTRACT.md
+//! section 5).
 //!
 //! What it is not: I/O. Nothing here talks to a server, so the engine's sans-I/O decisions
-//! may use these types; the key names themselves are built by `script::SkuKeys`, and every
-//! command that reads or writes them lives in `script` (the functions) or `reads`.
+//! may use these types; the key names themselves are built by `script::SkuKeys`
+//! (`script/keys.rs`), and every command that reads or writes them lives in `script` (the
+//! functions) or `reads`. This file imports nothing from either: they build these values,
+//! never the other way round.
 
 use std::fmt;
 
@@ -130,6 +133,29 @@ pub struct ReservationRecord {
     pub in_stuck: bool,
 }
 
+/// The reservation status values a claimed (non-final) entry can have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PendingStatus {
+    PendingMessage,
+    MessageSent,
+}
+
+/// A pending reservation with every field its order-create message is rebuilt from: what
+/// `claim_due` hands back for a due one (its `send_attempts` already bumped), and the entry of
+/// a stuck one as [`StuckEntry`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingEntry {
+    pub reservation_id: String,
+    pub message_id: String,
+    pub request_id: String,
+    pub user_id: u64,
+    pub payload_hash: String,
+    pub reserved_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub send_attempts: u32,
+    pub status: PendingStatus,
+}
+
 /// One member of a SKU's `resv:stuck` as the admin plane lists it: when it got stuck, why,
 /// and (when its record still holds every field a message needs) the pending entry an
 /// operator's republish or compensation rebuilds the order-create message from.
@@ -142,7 +168,7 @@ pub struct StuckEntry {
     /// `RECOVERY_DEADLINE` or `INVALID_RECORD` (`lua/seckill.lua`, `claim_due`).
     pub last_error_code: Option<String>,
     /// `None`: a field is missing or malformed, or the status is final or not republishable.
-    pub entry: Option<crate::redis::script::PendingEntry>,
+    pub entry: Option<PendingEntry>,
 }
 
 /// What one `SCAN` page of a SKU's keys held, sorted by kind (only the ids; counts of the

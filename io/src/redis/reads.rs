@@ -13,10 +13,11 @@
 //! bounded by its arguments (`SCAN` by `count`, `ZRANGE` by `n`).
 
 use crate::redis::layout::{
-    ActivityStatus, KeyPage, MetaRecord, PendingSample, ReplayRecord, RequestRecord,
-    ReservationRecord, SkuCounters, SkuFlags, SkuMember, StuckEntry, ACTIVE_SKUS_KEY,
+    ActivityStatus, KeyPage, MetaRecord, PendingEntry, PendingSample, PendingStatus, ReplayRecord,
+    RequestRecord, ReservationRecord, SkuCounters, SkuFlags, SkuMember, StuckEntry,
+    ACTIVE_SKUS_KEY,
 };
-use crate::redis::script::{Functions, PendingEntry, PendingStatus, ScriptError, SkuKeys};
+use crate::redis::script::{Functions, ScriptError, SkuKeys};
 use crate::redis::slot::Slot;
 use crate::resp::{Reply, U64Text};
 

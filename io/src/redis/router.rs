@@ -8,9 +8,8 @@
 //! slot. So call sites are the same for both topologies, and no command is ever cross-slot:
 //! each carries the keys of exactly one slot.
 //!
-//! Also here: [`MinReplicaAcks`], the `min_replica_acks` setting and its default rule.
-//!
-//! Not here: redirects and the slot map (`super::cluster`), reply meaning (`super::script`).
+//! Not here: redirects and the slot map (`super::cluster`), reply meaning (`super::script`), the
+//! `min_replica_acks` setting (`super::fence`).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -19,44 +18,10 @@ use bytes::BytesMut;
 
 use super::cluster::{ClusterClient, ClusterConfig, Lane, Routed};
 use super::connection::{FenceConfig, Fenced, NotSentReason};
+use super::fence::MinReplicaAcks;
 use super::slot::Slot;
 use super::{RedisClient, RedisConfig, RedisError};
 use crate::resp::Reply;
-
-/// `FLASHSALE_REDIS_MIN_REPLICA_ACKS` / `[redis] min_replica_acks` (CONTRACT.md section 2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MinReplicaAcks {
-    /// 1 when every master serving the SKUs has a replica online, else 0 with a warning.
-    Auto,
-    Exactly(u32),
-}
-
-impl MinReplicaAcks {
-    /// Parses the setting's text: a number, or `auto`.
-    pub fn parse(text: &str) -> Result<MinReplicaAcks, String> {
-        let text = text.trim();
-        if text.eq_ignore_ascii_case("auto") {
-            return Ok(MinReplicaAcks::Auto);
-        }
-        match text.parse::<u32>() {
-            Ok(n) if n <= 16 => Ok(MinReplicaAcks::Exactly(n)),
-            _ => Err(format!("min_replica_acks must be `auto` or 0..=16, got {text:?}")),
-        }
-    }
-
-    /// The number of acks, and the warning to log when `Auto` falls back to 0.
-    pub fn resolve(
-        self,
-        every_master_has_a_replica: bool,
-        warning: impl FnOnce() -> String,
-    ) -> (u32, Option<String>) {
-        match self {
-            MinReplicaAcks::Exactly(n) => (n, None),
-            MinReplicaAcks::Auto if every_master_has_a_replica => (1, None),
-            MinReplicaAcks::Auto => (0, Some(warning())),
-        }
-    }
-}
 
 /// What [`Router::connect`] needs.
 #[derive(Debug, Clone)]
@@ -301,19 +266,6 @@ pub fn info_field<'r>(info: &'r Reply, name: &str) -> Option<&'r str> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn min_replica_acks_setting() {
-        assert_eq!(MinReplicaAcks::parse("auto").unwrap(), MinReplicaAcks::Auto);
-        assert_eq!(MinReplicaAcks::parse(" 2 ").unwrap(), MinReplicaAcks::Exactly(2));
-        assert!(MinReplicaAcks::parse("-1").is_err());
-        assert!(MinReplicaAcks::parse("17").is_err());
-        let warn = || "w".to_string();
-        assert_eq!(MinReplicaAcks::Auto.resolve(true, warn), (1, None));
-        assert_eq!(MinReplicaAcks::Auto.resolve(false, warn), (0, Some("w".into())));
-        assert_eq!(MinReplicaAcks::Exactly(0).resolve(true, warn), (0, None));
-        assert_eq!(MinReplicaAcks::Exactly(2).resolve(false, warn), (2, None));
-    }
 
     #[test]
     fn info_fields() {

@@ -9,11 +9,11 @@
 //!
 //! What it is not: the runtime or the tasks that use the knobs (`mod.rs`, the `*_task.rs`
 //! files), or the pool's and the log's own settings (`pool.rs::PgPoolConfig`,
-//! `flashsale_io::log::LogConfig`, validated by their owners and called from here).
+//! `flashsale_io::jetstream::LogConfig`, validated by their owners and called from here).
 //!
 //! Read next: `mod.rs` (`start`), `order_writer_task.rs`, `../batching.rs`.
 
-use flashsale_io::log::LogConfig;
+use flashsale_io::jetstream::LogConfig;
 
 use crate::classify::RetryPolicy;
 use crate::error::PgError;

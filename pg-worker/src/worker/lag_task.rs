@@ -1,12 +1,12 @@
 //! The lag task: how far the durable pipeline is behind, polled for the edge and the gauges.
 //!
 //! What it is: [`run`]: every `lag_poll_ms`, the `order-writer` consumer's pending count and
-//! oldest pending age from JetStream (into [`flashsale_io::log::LogLag`], which the edge's
+//! oldest pending age from JetStream (into [`flashsale_io::jetstream::LogLag`], which the edge's
 //! admission reads, and gauges) and the outbox backlog from PostgreSQL (a gauge).
 //!
 //! What it is not: a decision: admission reads the lag (`engine`), alerts read the gauges.
 //!
-//! Read next: `../outbox.rs` (`backlog`), `flashsale_io::log` (`poll_order_writer_lag`).
+//! Read next: `../outbox.rs` (`backlog`), `flashsale_io::jetstream` (`poll_order_writer_lag`).
 
 use tokio::sync::watch;
 

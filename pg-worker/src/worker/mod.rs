@@ -67,7 +67,7 @@ mod shared;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flashsale_io::log::{Log, LogLag, Publisher};
+use flashsale_io::jetstream::{Log, LogLag, Publisher};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

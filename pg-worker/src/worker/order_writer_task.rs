@@ -13,7 +13,7 @@
 //!
 //! Read next: `../order_path.rs`, `../classify.rs`, `../batching.rs`.
 
-use flashsale_io::log::{Delivery, PullSource, ORDER_WRITER_CONSUMER};
+use flashsale_io::jetstream::{Delivery, PullSource, ORDER_WRITER_CONSUMER};
 use flashsale_io::wire::{decode_order_create, DecodeError, OrderCreate, RejectReason};
 use tokio::sync::watch;
 use tracing::Instrument;

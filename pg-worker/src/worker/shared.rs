@@ -11,7 +11,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use deadpool_postgres::Pool;
-use flashsale_io::log::{Log, LogLag, Publisher};
+use flashsale_io::jetstream::{Log, LogLag, Publisher};
 use tokio::sync::watch;
 
 use super::config::WorkerConfig;

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flashsale_engine::app::serve;
-use flashsale_io::log::LogConfig;
+use flashsale_io::jetstream::LogConfig;
 use flashsale_tests::{PrivateNats, PrivateRedis, TestDb};
 use serde_json::Value;
 

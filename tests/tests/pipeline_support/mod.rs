@@ -7,8 +7,8 @@
 use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use flashsale_io::log::async_nats::jetstream;
-use flashsale_io::log::{Log, LogConfig};
+use flashsale_io::jetstream::async_nats::jetstream;
+use flashsale_io::jetstream::{Log, LogConfig};
 use flashsale_io::wire::{decode_event, OrderCreate, ReservationEvent, ORDER_CREATE_EVENT_TYPE};
 use flashsale_pg_worker::{generate_tokens, migrate, OrderPath, PgPoolConfig, WorkerConfig};
 use flashsale_tests::{nats, pg_database, PrivateNats, TestDb};

@@ -13,7 +13,7 @@
 //! created in ~0.2 s; after kill -9 of the stream leader the first acknowledged publish comes
 //! ~5 s later.
 //!
-//! What it is not: the engine's view of the cluster (that is `io::log`, which only needs the
+//! What it is not: the engine's view of the cluster (that is `io::jetstream`, which only needs the
 //! comma-separated client URLs of [`NatsCluster::url`]), nor the single-node stack
 //! (`stack::up`). Layout: `DIR/n1`, `DIR/n2`, `DIR/n3`, each with `store/`, `server.log`,
 //! `pid`, `port` (client port) and `ports` (client, cluster and monitoring ports).

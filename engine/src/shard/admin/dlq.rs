@@ -1,5 +1,5 @@
 //! Dead letters, for an operator (CONTRACT.md section 4; `flashsale admin dlq`): the admin
-//! routes over `flashsale_io::log`'s dead-letter calls, run on the durable side.
+//! routes over `flashsale_io::jetstream`'s dead-letter calls, run on the durable side.
 //!
 //! - `GET /admin/v1/dlq[?after=SEQ]`: up to [`LISTED_MAX`] dead letters, oldest first, each
 //!   with its consumer, error, deliveries, source subject and sequence, original message id
@@ -11,7 +11,7 @@
 //! Fix the cause first: a message replayed into the same failure comes back as a new dead
 //! letter after its deliveries.
 
-use flashsale_io::log::{DeadLetter, Replay};
+use flashsale_io::jetstream::{DeadLetter, Replay};
 use serde::Deserialize;
 use serde_json::json;
 

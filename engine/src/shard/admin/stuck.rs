@@ -144,7 +144,7 @@ async fn apply(
     deps: &AdminDeps<'_>,
     key: SkuKey,
     keys: &Rc<flashsale_io::redis::script::SkuKeys>,
-    entry: flashsale_io::redis::script::PendingEntry,
+    entry: flashsale_io::redis::layout::PendingEntry,
     action: Action,
 ) -> (Status, String) {
     let message = message_of(key, &entry);

@@ -18,12 +18,14 @@
 use std::time::Duration;
 
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self};
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{LogConfig, LogError, ORDER_CREATE_SUBJECT, TRACEPARENT_HEADER};
+use super::config::LogConfig;
+use super::error::LogError;
+use super::names::{ORDER_CREATE_SUBJECT, TRACEPARENT_HEADER};
 use crate::wire::{EventType, OrderCreate};
 
 /// Longest pause between "no stream found" retries.
@@ -98,22 +100,7 @@ impl Publisher {
         let deadline = Instant::now() + self.timeout;
         let mut pause = self.no_stream_retry;
         loop {
-            let mut headers = HeaderMap::new();
-            // Negative control (tests/tests/negative_controls.rs): no `Nats-Msg-Id`, so the
-            // stream's duplicate window cannot recognise a republish.
-            #[cfg(feature = "failpoints")]
-            let omit_msg_id = crate::negctl::switched_off("negctl.nats_msg_id_off");
-            #[cfg(not(feature = "failpoints"))]
-            let omit_msg_id = false;
-            if !omit_msg_id {
-                headers.insert(NATS_MESSAGE_ID, msg_id);
-            }
-            if let Some(traceparent) = traceparent {
-                headers.insert(TRACEPARENT_HEADER, traceparent);
-            }
-            for (name, value) in extra_headers {
-                headers.insert(*name, *value);
-            }
+            let headers = headers(msg_id, traceparent, extra_headers);
             let attempt = async {
                 let ack = self
                     .context
@@ -139,22 +126,7 @@ impl Publisher {
                     pause = (pause * 2).min(NO_STREAM_RETRY_MAX);
                 }
                 PublishErrorKind::TimedOut => return Err(self.timed_out(subject)),
-                kind => {
-                    // Payload too large or a conditional-publish mismatch repeat on every
-                    // try; everything else (broken pipe, a JetStream error such as a full or
-                    // leaderless stream) may clear.
-                    let transient = !matches!(
-                        kind,
-                        PublishErrorKind::MaxPayloadExceeded
-                            | PublishErrorKind::WrongLastMessageId
-                            | PublishErrorKind::WrongLastSequence
-                    );
-                    return Err(LogError::Publish {
-                        subject: subject.to_owned(),
-                        message: error.to_string(),
-                        transient,
-                    });
-                }
+                kind => return Err(refused(subject, kind, &error)),
             }
         }
     }
@@ -165,6 +137,40 @@ impl Publisher {
             timeout_ms: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
         }
     }
+}
+
+/// The headers of one publish attempt: `Nats-Msg-Id`, `traceparent` when known, the extras.
+fn headers(msg_id: &str, traceparent: Option<&str>, extra_headers: &[(&str, &str)]) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    // Negative control (tests/tests/negative_controls.rs): no `Nats-Msg-Id`, so the
+    // stream's duplicate window cannot recognise a republish.
+    #[cfg(feature = "failpoints")]
+    let omit_msg_id = crate::negctl::switched_off("negctl.nats_msg_id_off");
+    #[cfg(not(feature = "failpoints"))]
+    let omit_msg_id = false;
+    if !omit_msg_id {
+        headers.insert(NATS_MESSAGE_ID, msg_id);
+    }
+    if let Some(traceparent) = traceparent {
+        headers.insert(TRACEPARENT_HEADER, traceparent);
+    }
+    for (name, value) in extra_headers {
+        headers.insert(*name, *value);
+    }
+    headers
+}
+
+/// A publish the server refused (not a timeout, not "no stream").
+fn refused(subject: &str, kind: PublishErrorKind, error: &PublishError) -> LogError {
+    // Payload too large or a conditional-publish mismatch repeat on every try; everything
+    // else (broken pipe, a JetStream error such as a full or leaderless stream) may clear.
+    let transient = !matches!(
+        kind,
+        PublishErrorKind::MaxPayloadExceeded
+            | PublishErrorKind::WrongLastMessageId
+            | PublishErrorKind::WrongLastSequence
+    );
+    LogError::Publish { subject: subject.to_owned(), message: error.to_string(), transient }
 }
 
 /// `evt_<event_id>`: the dedup key of an outbox event.

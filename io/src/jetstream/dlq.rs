@@ -11,16 +11,18 @@
 //! reservation). A replay is one more delivery, never a second effect.
 //!
 //! What it is not: a decision about which dead letters to replay (an operator's, after fixing
-//! the cause), or a reader of the bodies (`wire.rs`).
+//! the cause), or a reader of the bodies (`wire/`).
 
 use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
 use bytes::Bytes;
 
-use super::{
-    Log, LogError, Publisher, DLQ_CONSUMER_HEADER, DLQ_DELIVERIES_HEADER, DLQ_ERROR_HEADER,
-    DLQ_ORIGINAL_MSG_ID_HEADER, DLQ_STREAM, DLQ_STREAM_SEQUENCE_HEADER, DLQ_SUBJECT_HEADER,
-    TRACEPARENT_HEADER,
+use super::client::Log;
+use super::error::LogError;
+use super::names::{
+    DLQ_CONSUMER_HEADER, DLQ_DELIVERIES_HEADER, DLQ_ERROR_HEADER, DLQ_ORIGINAL_MSG_ID_HEADER,
+    DLQ_STREAM, DLQ_STREAM_SEQUENCE_HEADER, DLQ_SUBJECT_HEADER, TRACEPARENT_HEADER,
 };
+use super::publisher::Publisher;
 
 /// Sequences one listing looks at (deleted ones leave gaps), whatever `limit` says.
 pub const DLQ_SCAN_MAX: u64 = 10_000;

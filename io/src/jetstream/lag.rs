@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use async_nats::jetstream;
 
-use super::LogError;
+use super::error::LogError;
 
 /// One observation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -31,10 +31,12 @@ use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use futures::StreamExt;
 
-use super::{
-    LogError, PublishAck, Publisher, DLQ_CONSUMER_HEADER, DLQ_DELIVERIES_HEADER, DLQ_ERROR_HEADER,
-    DLQ_ORIGINAL_MSG_ID_HEADER, DLQ_STREAM_SEQUENCE_HEADER, DLQ_SUBJECT_HEADER, TRACEPARENT_HEADER,
+use super::error::LogError;
+use super::names::{
+    DLQ_CONSUMER_HEADER, DLQ_DELIVERIES_HEADER, DLQ_ERROR_HEADER, DLQ_ORIGINAL_MSG_ID_HEADER,
+    DLQ_STREAM_SEQUENCE_HEADER, DLQ_SUBJECT_HEADER, TRACEPARENT_HEADER,
 };
+use super::publisher::{PublishAck, Publisher};
 
 /// Longest error text put into a dead letter's header (headers are one line each and count
 /// against the server's max payload).
