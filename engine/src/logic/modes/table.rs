@@ -5,7 +5,8 @@
 use flashsale_io::bounds::MODE_VERSION_STEP_MAX;
 use std::collections::HashMap;
 
-use super::*;
+use super::snapshot::{verify, ModeSnapshot, SignedSnapshot};
+use super::types::{Mode, ModeError, Scope};
 use crate::logic::key::HmacKey;
 
 // ---------------------------------------------------------------------------------------------
