@@ -284,7 +284,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     edge.control = control_config(&config)?;
     edge.admission = config.admission;
     if let Some(hex_key) = &config.payment_key {
-        let key = flashsale_engine::logic::key::HmacKey::from_hex(hex_key)
+        let key = flashsale_io::key::HmacKey::from_hex(hex_key)
             .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
         edge.payment_key = Some(key);
     }

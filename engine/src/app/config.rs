@@ -57,7 +57,7 @@ pub struct Config {
     /// `var/modes.json`).
     pub mode_state_file: PathBuf,
     /// Hot SKUs pinned to shards (`[engine] pins = ["10001:20001=1"]`).
-    pub pins: Vec<(crate::logic::router::SkuKey, usize)>,
+    pub pins: Vec<(crate::logic::placement::SkuKey, usize)>,
     /// `FLASHSALE_INSTANCE_ID` over `[engine] instance_id`, validated
     /// (`logic::ids::InstanceId::parse`); None: 8 random hex digits drawn at start.
     pub instance_id: Option<crate::logic::ids::InstanceId>,
@@ -97,7 +97,7 @@ impl PaymentsSettings {
     /// The provider's configuration with `key` (None without a `status_url`).
     pub fn provider(
         &self,
-        key: &crate::logic::key::HmacKey,
+        key: &flashsale_io::key::HmacKey,
     ) -> Option<flashsale_pg_worker::provider::ProviderConfig> {
         let url = self.status_url.as_ref()?;
         let mut config = flashsale_pg_worker::provider::ProviderConfig::new(url, key.clone());
@@ -152,7 +152,7 @@ fn payments_settings(
         let hex = payment_key.ok_or_else(|| {
             invalid("FLASHSALE_PAYMENT_STATUS_URL needs FLASHSALE_PAYMENT_KEY to sign with".into())
         })?;
-        let key = crate::logic::key::HmacKey::from_hex(hex)
+        let key = flashsale_io::key::HmacKey::from_hex(hex)
             .map_err(|e| invalid(format!("FLASHSALE_PAYMENT_KEY: {e}")))?;
         if let Some(provider) = settings.provider(&key) {
             provider.validate().map_err(|e| invalid(e.to_string()))?;
@@ -551,7 +551,7 @@ fn shard_count(flag: Option<usize>, env: &Env, file: Option<usize>) -> Result<us
             }
         },
     };
-    let max = crate::logic::router::SHARDS_MAX;
+    let max = crate::logic::placement::SHARDS_MAX;
     if shards == 0 || shards > max {
         return Err(invalid(format!("{shards} must be between 1 and {max}")));
     }
@@ -698,14 +698,14 @@ fn http_settings(
 
 fn parse_pins(
     entries: &[String],
-) -> Result<Vec<(crate::logic::router::SkuKey, usize)>, ConfigError> {
+) -> Result<Vec<(crate::logic::placement::SkuKey, usize)>, ConfigError> {
     entries
         .iter()
         .map(|entry| {
             let parsed = entry.split_once('=').and_then(|(sku, shard)| {
                 let (a, s) = sku.split_once(':')?;
                 Some((
-                    crate::logic::router::SkuKey::new(
+                    crate::logic::placement::SkuKey::new(
                         a.trim().parse().ok()?,
                         s.trim().parse().ok()?,
                     ),
@@ -855,7 +855,7 @@ mod tests {
         let c =
             Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
         assert_eq!(c.shards, 2);
-        assert_eq!(c.pins, vec![(crate::logic::router::SkuKey::new(10001, 20001), 1)]);
+        assert_eq!(c.pins, vec![(crate::logic::placement::SkuKey::new(10001, 20001), 1)]);
         std::fs::write(&path, "[engine]\npins = [\"10001-20001\"]\n").expect("w");
         let err =
             Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();

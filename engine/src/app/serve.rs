@@ -16,7 +16,7 @@ use glommio::{ExecutorJoinHandle, LocalExecutorBuilder, Placement};
 use crate::durable::{Durable, DurableConfig};
 use crate::logic::auth::PassKeys;
 use crate::logic::metrics::EdgeMetrics;
-use crate::logic::router::PartitionTable;
+use crate::logic::placement::PartitionTable;
 use crate::shard::{self, EdgeConfig, EdgeShared, ShardStart};
 
 /// Whether shards are pinned one per core (production) or float (shared machines, tests).
@@ -30,7 +30,7 @@ pub enum Pinning {
 pub struct ServeConfig {
     pub shards: usize,
     /// Hot SKUs pinned to shards; the rest round-robin by partition.
-    pub pins: Vec<(crate::logic::router::SkuKey, usize)>,
+    pub pins: Vec<(crate::logic::placement::SkuKey, usize)>,
     pub pinning: Pinning,
     pub http_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -114,7 +114,7 @@ pub fn worker_config(
     // `[payments] status_url`: the closer asks the provider before closing (the key was
     // checked with the URL by `Config::load`).
     let key =
-        config.payment_key.as_deref().and_then(|k| crate::logic::key::HmacKey::from_hex(k).ok());
+        config.payment_key.as_deref().and_then(|k| flashsale_io::key::HmacKey::from_hex(k).ok());
     worker.closer.provider = key.and_then(|key| config.payments.provider(&key));
     worker
 }
@@ -446,7 +446,7 @@ fn spawn_shards(
     shared: &Arc<EdgeShared>,
     receivers: Vec<(
         tokio::sync::mpsc::Receiver<crate::durable::sync::SyncRequest>,
-        tokio::sync::mpsc::Receiver<crate::logic::router::SkuKey>,
+        tokio::sync::mpsc::Receiver<crate::logic::placement::SkuKey>,
     )>,
 ) -> anyhow::Result<Vec<ExecutorJoinHandle<()>>> {
     let shard_count = config.shards;

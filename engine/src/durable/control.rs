@@ -30,12 +30,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flashsale_io::key::HmacKey;
 use flashsale_io::log::async_nats;
 use flashsale_io::log::LogLag;
 use flashsale_pg_worker::pool::{Connector, PgPoolConfig};
 
 use crate::logic::admission::Backlog;
-use crate::logic::key::HmacKey;
 use crate::logic::modes::{Applied, EffectiveMode, ModeConfig, ModeError, ModeTable};
 use crate::logic::modes::{Scope, SignedSnapshot};
 

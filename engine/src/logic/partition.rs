@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use flashsale_io::redis::layout::ActivityStatus;
 
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// What the owner knows of the activity; refreshed from Redis/PostgreSQL by the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -49,7 +49,7 @@ use flashsale_io::wire::RejectReason;
 use flashsale_pg_worker::reconcile::{IdSample, PgReconcile, PgReservation};
 use serde::Serialize;
 
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Settings of the report and of the periodic job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -39,7 +39,7 @@ use crate::logic::partition::{
     Accepted, AcceptedBudget, AcceptedState, ActivitySnapshot, PartitionLimits, Permit,
     ReplicaUpdate, ReserveSeen, SkuPartition, SubmitPlan,
 };
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// An answer to a submit, ready to be written (and `Send`, to cross the mesh).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -27,7 +27,7 @@ use crate::http::{write_response, ContentType, Method, Request, ResponseHead, St
 use crate::logic::auth::bearer_credential;
 use crate::logic::clock::now_ms;
 use crate::logic::ids::{ActivityId, SkuId};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// A shard whose loop has not ticked for this long is not live.
 const HEARTBEAT_STALE_MS: u64 = 2_000;

@@ -31,7 +31,7 @@ use super::Shard;
 use crate::durable::DurableRequest;
 use crate::http::Status;
 use crate::logic::ids::{ActivityId, SkuId};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 const DEFAULT_ACTOR: &str = "admin";
 /// Longest top-up request id (an operator's idempotency key for one top-up).

@@ -51,7 +51,7 @@ use crate::logic::auth::PassKeys;
 use crate::logic::limiter::{Limiter, Rate};
 use crate::logic::metrics::{EdgeMetrics, ShardMetrics};
 use crate::logic::partition::{PartitionLimits, ReplicaUpdate, SkuReplica};
-use crate::logic::router::{PartitionTable, SkuKey};
+use crate::logic::placement::{PartitionTable, SkuKey};
 use crate::logic::submit::{OwnerLimits, OwnerState};
 
 /// Configuration of the edge, identical on every shard.
@@ -129,7 +129,7 @@ pub struct EdgeConfig {
     pub publish_circuit: crate::logic::circuit::CircuitConfig,
     pub redis_circuit: crate::logic::circuit::CircuitConfig,
     /// `FLASHSALE_PAYMENT_KEY`: verifies payment callbacks; `None` refuses them (503).
-    pub payment_key: Option<crate::logic::key::HmacKey>,
+    pub payment_key: Option<flashsale_io::key::HmacKey>,
     /// Retries of idempotent calls only (`mark_sent`, the query's Redis read and PostgreSQL
     /// fallback): bounded attempts within a time budget, full jitter.
     pub idempotent_retry: crate::logic::circuit::RetryPolicy,

@@ -20,7 +20,7 @@ use crate::http::{Request, ResponseHead, StateBody, Status};
 use crate::logic::api;
 use crate::logic::clock::now_ms;
 use crate::logic::outcome::QueryOutcome;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 pub async fn handle_query(
     shard: &Rc<Shard>,

@@ -25,10 +25,10 @@ use flashsale_pg_worker::reconcile::{
 use super::Shard;
 use crate::http::Status;
 use crate::logic::clock::now_ms;
+use crate::logic::placement::SkuKey;
 use crate::logic::reconcile::{
     cross_check_ids, judge, JudgeParams, ReconcileConfig, RedisSnapshot, Report, DELTA_KINDS,
 };
-use crate::logic::router::SkuKey;
 
 /// Pending entries whose retry time is this far past count as overdue (the scanner re-scores
 /// every entry it claims, every `interval_ms`, so a healthy one leaves none this old).

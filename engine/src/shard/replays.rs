@@ -18,7 +18,7 @@ use flashsale_io::redis::script::{RequestState, ScriptError, SkuKeys};
 
 use super::Shard;
 use crate::logic::partition::{Accepted, AcceptedState};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Records read at once (pipelined on the owner's Redis connection, far below its in-flight
 /// bound so buyers keep their share).

@@ -24,7 +24,7 @@ use flashsale_io::wire::{OrderCreate, ReservationFacts};
 use super::publish::{publish_order, MsgIdentity, Origin};
 use super::Shard;
 use crate::logic::clock::now_ms;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Scanner settings.
 #[derive(Debug, Clone, Copy)]

@@ -39,7 +39,7 @@ use super::scanner::message_of;
 use super::Shard;
 use crate::http::Status;
 use crate::logic::clock::now_ms;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::logic::submit::Published;
 
 /// Entries one list answer holds (oldest first); `count` says how many there are.

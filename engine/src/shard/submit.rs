@@ -28,7 +28,7 @@ use crate::logic::ids::UserId;
 use crate::logic::limiter;
 use crate::logic::outcome::SubmitOutcome;
 use crate::logic::partition::{AcceptedState, FastPath};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::logic::submit::{Begin, Outside, ReserveResult, SubmitAnswer, SubmitRequest};
 
 /// A submit on its way to the owner shard: owned, `Send`.

@@ -7,7 +7,7 @@
 //!   `RECOVERING` (admit a share, raised in steps); [`Mode::metric_value`] for the gauge.
 //! - [`ModeSnapshot`] with its [`Scope`] (global, activity, SKU), its canonical text
 //!   ([`ModeSnapshot::canonical_text`]) and [`SignedSnapshot`] (HMAC-SHA256 over that text
-//!   with `FLASHSALE_CONTROL_KEY`, an [`HmacKey`](crate::logic::key::HmacKey) read by [`control_key`]); [`sign`] and
+//!   with `FLASHSALE_CONTROL_KEY`, an [`HmacKey`](flashsale_io::key::HmacKey) read by [`control_key`]); [`sign`] and
 //!   [`verify`].
 //! - [`ModeTable`]: the accepted snapshot per scope, [`ModeTable::apply`] (the rules below),
 //!   [`ModeTable::effective`] (the mode a submit for one SKU obeys, read by
@@ -65,7 +65,7 @@
 //!   an older snapshot could be replayed; its expiry bounds how long that matters.
 //! - **Bounds:** at most [`ModeConfig::scopes_max`] scopes ([`ModeError::TableFull`]), the
 //!   issuer ≤ [`ISSUER_LEN_MAX`], a signed envelope ≤ [`SIGNED_JSON_LEN_MAX`] bytes, a key of
-//!   `logic::key`'s 16..=64 bytes.
+//!   `flashsale_io::key`'s 16..=64 bytes.
 //!
 //! Files: `types.rs` (modes, scopes, errors), `snapshot.rs` (signing, one spelling, the
 //! snapshot bounds), `table.rs` (the rules, the effective mode), `persist.rs` (the persisted

@@ -2,12 +2,12 @@
 //! control plane's in `durable/control.rs`): every accepted snapshot with its scope's version
 //! and recovery flag, re-verified when read back; what does not verify closes its scope.
 
+use flashsale_io::key::HmacKey;
 use serde::{Deserialize, Serialize};
 
 use super::snapshot::{verify_signature, SignedSnapshot, SIGNED_JSON_LEN_MAX};
 use super::table::{Entry, ModeConfig, ModeTable};
 use super::types::{Mode, ModeError, Scope};
-use crate::logic::key::HmacKey;
 
 /// Bytes of persisted text allowed per scope (an entry is a signed envelope plus its scope,
 /// version and flag).

@@ -6,10 +6,10 @@
 use std::fmt::Write as _;
 
 use flashsale_io::bounds::MODE_VERSION_MAX;
+use flashsale_io::key::HmacKey;
 use serde::{Deserialize, Serialize};
 
 use super::types::{Mode, ModeError, Scope};
-use crate::logic::key::HmacKey;
 
 /// Longest issuer name.
 pub const ISSUER_LEN_MAX: usize = 64;

@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use crate::logic::key::KeyError;
+use flashsale_io::key::KeyError;
 
 // ---------------------------------------------------------------------------------------------
 // Modes and scopes
