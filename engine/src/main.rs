@@ -2,6 +2,9 @@
 //! validates its configuration here and hands typed values to the library.
 //!
 //! Exit codes (CONTRACT.md section 1): 0 success, 2 usage error (clap), 1 anything else.
+//!
+//! A panic in `flashsale serve` or `flashsale worker` aborts the process (after one
+//! `tracing::error!` line): see [`fail_closed_on_panic`] for why, and why only here.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -245,6 +248,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use flashsale_engine::app::serve::{self, Pinning, ServeConfig};
     use flashsale_engine::logic::auth::PassKeys;
 
+    fail_closed_on_panic();
+
     let overrides = Overrides {
         redis_url: args.redis_url,
         pg_url: args.conn.pg_url,
@@ -389,6 +394,7 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
 
 /// `flashsale worker`: the durable pipeline alone, scaled separately from the edge.
 fn worker(args: ConnWorkerArgs) -> anyhow::Result<()> {
+    fail_closed_on_panic();
     let overrides =
         Overrides { pg_url: args.conn.pg_url, nats_url: args.nats_url, ..Default::default() };
     let config = Config::load(
@@ -415,4 +421,49 @@ fn prometheus_recorder() -> anyhow::Result<Box<dyn Fn() -> String + Send + Sync>
         .install_recorder()
         .context("install the Prometheus recorder")?;
     Ok(Box::new(move || handle.render()))
+}
+
+/// Makes every panic of this process stop the whole process: one `tracing::error!` line with
+/// the message, the thread and the location (and a backtrace when `RUST_BACKTRACE` asks for
+/// one), then `abort`. Installed by `serve` and `worker`, the two commands that acknowledge
+/// anything.
+///
+/// Why: the release assertions on the sale's invariants (`logic/partition.rs`,
+/// `logic/reconcile.rs`, the permits and bounds of `logic/submit.rs`, and those of the other
+/// crates) panic where going on would mean oversell, a double order, a lost reservation or a
+/// false `ok`. Left to unwind, such a panic ends one glommio shard or one tokio task (tokio
+/// keeps a task's panic in its `JoinHandle`), and the rest of the process carries on: the other
+/// shards keep answering buyers, the worker keeps committing and acking, redis-sync keeps
+/// applying. Fail closed instead: nothing is answered or acknowledged after the breach. What is
+/// in flight at that moment is what a `kill -9` leaves, which the design survives (an
+/// unacknowledged message is redelivered, a reservation without an answer is republished by
+/// the scanner, an unknown outcome is never guessed), and the log line names what broke.
+///
+/// Why only here, not in the library: the in-process engine of the integration tests
+/// (`tests/src`) and the unit tests run the same code, and there a panic must stay an ordinary
+/// panic: one failed test (or a `#[should_panic]` one that passes), not an aborted test binary.
+fn fail_closed_on_panic() {
+    std::panic::set_hook(Box::new(|info| {
+        // `PanicHookInfo::payload_as_str` is newer than the workspace's rust-version.
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(a panic without a message)");
+        let location = info.location().map_or_else(String::new, ToString::to_string);
+        let thread = std::thread::current();
+        let thread = thread.name().unwrap_or("(unnamed)");
+        let backtrace = std::backtrace::Backtrace::capture();
+        if backtrace.status() == std::backtrace::BacktraceStatus::Captured {
+            tracing::error!(
+                thread,
+                location,
+                "panic, aborting (fail closed): {message}\n{backtrace}"
+            );
+        } else {
+            tracing::error!(thread, location, "panic, aborting (fail closed): {message}");
+        }
+        std::process::abort();
+    }));
 }

@@ -23,7 +23,8 @@
 //!
 //! The verdict ([`judge`]) is sans-I/O and unit-tested below. Deltas (each the sum of the
 //! absolute values of its parts; `ok` needs every one at 0, no problem, no PostgreSQL
-//! violation):
+//! violation, and a release assertion in `record_verdict` stops the process rather than report
+//! `ok` over a non-zero delta or part):
 //!
 //! - `no_oversell` (I1), `one_per_buyer` (I2), `token_conservation` (I3), `ack_after_commit`
 //!   (I7), `idempotency` (I6): PostgreSQL's findings (the audit's counts and row sets), plus
@@ -179,6 +180,37 @@ pub const DELTA_KINDS: [&str; 7] = [
 ];
 
 impl Deltas {
+    /// Each delta with its `kind` label, in [`DELTA_KINDS`] order.
+    fn named(&self) -> [(&'static str, &Delta); 7] {
+        let [a, b, c, d, e, f, g] = DELTA_KINDS;
+        [
+            (a, &self.no_oversell),
+            (b, &self.one_per_buyer),
+            (c, &self.token_conservation),
+            (d, &self.nothing_lost),
+            (e, &self.redis_conservation),
+            (f, &self.idempotency),
+            (g, &self.ack_after_commit),
+        ]
+    }
+
+    /// Every delta at 0, by its value and by each of its parts.
+    fn all_zero(&self) -> bool {
+        self.named().iter().all(|(_, d)| d.value == 0 && d.parts.values().all(|v| *v == 0))
+    }
+
+    /// The non-zero deltas with their parts and ids, for a panic message.
+    fn describe_non_zero(&self) -> String {
+        let non_zero = self
+            .named()
+            .into_iter()
+            .filter(|(_, d)| d.value != 0 || d.parts.values().any(|v| *v != 0));
+        let described: Vec<String> = non_zero
+            .map(|(kind, d)| format!("{kind} = {} (parts {:?}, ids {:?})", d.value, d.parts, d.ids))
+            .collect();
+        described.join("; ")
+    }
+
     pub fn values(&self) -> [u64; 7] {
         [
             self.no_oversell.value,
@@ -553,8 +585,32 @@ pub fn judge(
         judge_redis_alone(redis, initial, &mut report);
     }
     report.postgres = pg;
-    report.ok = report.problems.is_empty() && report.deltas.values().iter().all(|v| *v == 0);
+    let ok = verdict(&report);
+    record_verdict(&mut report, ok);
     report
+}
+
+/// `ok`: no problem, and every delta at 0.
+fn verdict(report: &Report) -> bool {
+    report.problems.is_empty() && report.deltas.values().iter().all(|v| *v == 0)
+}
+
+/// Records the verdict and keeps its promise (DESIGN.md section 8): `ok` is never reported
+/// with a non-zero delta. Checked against every part of every delta, not only the sums the
+/// verdict was drawn from, so a part that never reached its delta's value (a slip in
+/// `Delta::part` or in one of the judge steps) stops the report instead of hiding a gap behind
+/// `ok: true`. Kept in release: an `ok` report reopens a SKU closed by a Redis failover
+/// (`shard/failover.rs`), so a false one would sell on top of a gap; the check is a few dozen
+/// comparisons per report.
+fn record_verdict(report: &mut Report, ok: bool) {
+    report.ok = ok;
+    assert!(
+        !ok || report.deltas.all_zero(),
+        "reconcile verdict ok with a non-zero delta: activity {} sku {}: {}",
+        report.activity_id,
+        report.sku_id,
+        report.deltas.describe_non_zero(),
+    );
 }
 
 fn judge_postgres(pg: &PgReconcile, report: &mut Report) {
@@ -897,6 +953,31 @@ mod tests {
         let legacy = two_released(true, "ORDER_CANCELLED");
         assert_eq!(legacy.deltas.redis_conservation.parts["comp_unknown_reason"], 2);
         assert!(!legacy.ok);
+    }
+
+    /// The verdict's promise, broken on purpose: `ok` recorded over the report of a gap.
+    #[test]
+    #[should_panic(expected = "reconcile verdict ok with a non-zero delta: activity 1 sku 2: \
+                               redis_conservation = 2")]
+    fn an_ok_verdict_over_a_gap_panics() {
+        let ids = ["r1", "r2", "r3"];
+        let mut r = redis(3, &ids);
+        r.records.remove("r2");
+        let mut report = run(pg(3, &ids), r);
+        record_verdict(&mut report, true);
+    }
+
+    /// A part that never reached its delta's value: the sums say ok, the parts do not.
+    #[test]
+    #[should_panic(expected = "reconcile verdict ok with a non-zero delta: activity 1 sku 2: \
+                               nothing_lost = 0 (parts {\"lost\": 1")]
+    fn a_part_missing_from_its_sum_panics() {
+        let ids = ["r1", "r2", "r3"];
+        let mut report = run(pg(3, &ids), redis(3, &ids));
+        report.deltas.nothing_lost.parts.insert("lost", 1);
+        let ok = verdict(&report);
+        assert!(ok, "the sums alone miss the part");
+        record_verdict(&mut report, ok);
     }
 
     #[test]
