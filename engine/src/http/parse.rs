@@ -18,6 +18,7 @@
 //! written back, and the smuggling rules in [`super`] (the module doc of `http`).
 
 use std::mem::MaybeUninit;
+use std::ops::ControlFlow;
 
 use super::chunked::{self, ChunkedScan};
 use super::limits::{Limits, HEADER_SLOTS};
@@ -253,51 +254,79 @@ enum HeadScan {
 /// colon. `httparse` would refuse most of these too, but with less precise reasons and
 /// only once the line is complete; and it accepts bare LF, which we do not.
 fn scan_head(buf: &[u8], limits: &Limits) -> HeadScan {
+    // Each step checks its lines and hands on the offset of the next line, or ends the scan.
+    let request_line_start = match skip_leading_empty_lines(buf) {
+        ControlFlow::Continue(at) => at,
+        ControlFlow::Break(scan) => return scan,
+    };
+    let headers_start = match scan_request_line(buf, request_line_start, limits) {
+        ControlFlow::Continue(at) => at,
+        ControlFlow::Break(scan) => return scan,
+    };
+    scan_header_lines(buf, headers_start, limits)
+}
+
+/// Step 1 of [`scan_head`]: at most [`LEADING_EMPTY_LINES_MAX`] empty lines; continues at the
+/// request line.
+fn skip_leading_empty_lines(buf: &[u8]) -> ControlFlow<HeadScan, usize> {
     let mut line_start = 0;
     let mut empty_lines = 0;
-    // Leading empty lines.
     loop {
         match find_line_end(&buf[line_start..]) {
             LineEnd::Found { len: 0 } => {
                 empty_lines += 1;
                 if empty_lines > LEADING_EMPTY_LINES_MAX {
-                    return HeadScan::Reject(Rejection::MalformedRequestLine);
+                    return reject(Rejection::MalformedRequestLine);
                 }
                 line_start += 2;
             }
-            LineEnd::Invalid => return HeadScan::Reject(Rejection::InvalidLineEnding),
+            LineEnd::Invalid => return reject(Rejection::InvalidLineEnding),
             LineEnd::Partial if buf.len() - line_start <= 1 => {
                 // Nothing, or a lone CR that may be the start of one more empty line.
-                return HeadScan::Incomplete;
+                return ControlFlow::Break(HeadScan::Incomplete);
             }
-            _ => break,
+            _ => return ControlFlow::Continue(line_start),
         }
     }
-    // The request line.
+}
+
+/// Step 2 of [`scan_head`]: the request line at `line_start`, within its limit (also while
+/// it is still arriving), with room left for the blank line; continues at the first header
+/// line.
+fn scan_request_line(
+    buf: &[u8],
+    line_start: usize,
+    limits: &Limits,
+) -> ControlFlow<HeadScan, usize> {
     let request_line_len = match find_line_end(&buf[line_start..]) {
         LineEnd::Found { len } => len,
-        LineEnd::Invalid => return HeadScan::Reject(Rejection::InvalidLineEnding),
-        LineEnd::Control { .. } => return HeadScan::Reject(Rejection::MalformedRequestLine),
+        LineEnd::Invalid => return reject(Rejection::InvalidLineEnding),
+        LineEnd::Control { .. } => return reject(Rejection::MalformedRequestLine),
         LineEnd::Partial => {
             let partial = strip_trailing_cr(&buf[line_start..]);
             if partial.len() > limits.request_line_bytes_max {
-                return HeadScan::Reject(Rejection::RequestLineTooLong);
+                return reject(Rejection::RequestLineTooLong);
             }
-            return HeadScan::Incomplete;
+            return ControlFlow::Break(HeadScan::Incomplete);
         }
     };
     if request_line_len > limits.request_line_bytes_max {
-        return HeadScan::Reject(Rejection::RequestLineTooLong);
+        return reject(Rejection::RequestLineTooLong);
     }
     if request_line_len == 0 {
-        return HeadScan::Reject(Rejection::MalformedRequestLine);
+        return reject(Rejection::MalformedRequestLine);
     }
-    line_start += request_line_len + 2;
+    let next = line_start + request_line_len + 2;
     // The head needs at least the blank line (2 bytes) more.
-    if line_start + 2 > limits.header_section_bytes_max {
-        return HeadScan::Reject(Rejection::HeaderSectionTooLarge);
+    if next + 2 > limits.header_section_bytes_max {
+        return reject(Rejection::HeaderSectionTooLarge);
     }
-    // Header lines, then the blank line.
+    ControlFlow::Continue(next)
+}
+
+/// Step 3 of [`scan_head`]: header lines from `line_start` up to the blank line, each checked
+/// and counted, the head kept within its limit.
+fn scan_header_lines(buf: &[u8], mut line_start: usize, limits: &Limits) -> HeadScan {
     let mut header_lines = 0;
     loop {
         let rest = &buf[line_start..];
@@ -323,33 +352,44 @@ fn scan_head(buf: &[u8], limits: &Limits) -> HeadScan {
                 }
             }
             LineEnd::Invalid => return HeadScan::Reject(Rejection::InvalidLineEnding),
-            LineEnd::Control { at } => {
-                let line = &rest[..at];
-                let rejection = check_header_line(line).unwrap_or(if line.contains(&b':') {
-                    Rejection::InvalidHeaderValue
-                } else {
-                    Rejection::InvalidHeaderName
-                });
-                return HeadScan::Reject(rejection);
-            }
-            LineEnd::Partial => {
-                let partial = strip_trailing_cr(rest);
-                if !partial.is_empty() {
-                    if let Some(rejection) = check_header_line(partial) {
-                        return HeadScan::Reject(rejection);
-                    }
-                    if header_lines + 1 > limits.headers_max {
-                        return HeadScan::Reject(Rejection::TooManyHeaders);
-                    }
-                }
-                // The head is at least everything received plus the missing line end.
-                if buf.len() >= limits.header_section_bytes_max {
-                    return HeadScan::Reject(Rejection::HeaderSectionTooLarge);
-                }
-                return HeadScan::Incomplete;
-            }
+            LineEnd::Control { at } => return HeadScan::Reject(control_in_header(&rest[..at])),
+            LineEnd::Partial => return partial_header_line(buf, rest, header_lines, limits),
         }
     }
+}
+
+/// Why a header line holding a control character (before `line`'s end) is refused: what its
+/// text so far already breaks, else a bad value after a colon or a bad name without one.
+fn control_in_header(line: &[u8]) -> Rejection {
+    check_header_line(line).unwrap_or(if line.contains(&b':') {
+        Rejection::InvalidHeaderValue
+    } else {
+        Rejection::InvalidHeaderName
+    })
+}
+
+/// The header line still arriving (`rest`, after `header_lines` complete ones): refused as
+/// soon as its text or the count breaks a rule, or the head cannot fit any more.
+fn partial_header_line(buf: &[u8], rest: &[u8], header_lines: usize, limits: &Limits) -> HeadScan {
+    let partial = strip_trailing_cr(rest);
+    if !partial.is_empty() {
+        if let Some(rejection) = check_header_line(partial) {
+            return HeadScan::Reject(rejection);
+        }
+        if header_lines + 1 > limits.headers_max {
+            return HeadScan::Reject(Rejection::TooManyHeaders);
+        }
+    }
+    // The head is at least everything received plus the missing line end.
+    if buf.len() >= limits.header_section_bytes_max {
+        return HeadScan::Reject(Rejection::HeaderSectionTooLarge);
+    }
+    HeadScan::Incomplete
+}
+
+/// A step of [`scan_head`] that ends the scan with `rejection`.
+fn reject<T>(rejection: Rejection) -> ControlFlow<HeadScan, T> {
+    ControlFlow::Break(HeadScan::Reject(rejection))
 }
 
 fn strip_trailing_cr(bytes: &[u8]) -> &[u8] {
