@@ -436,72 +436,18 @@ fn cross_check<'a>(
     params: &JudgeParams,
     release_returns_stock: bool,
 ) -> CrossCheck<'a> {
+    let sides = Sides { pg, redis, params: *params, release_returns_stock };
     let mut c = CrossCheck::default();
-    let young = |at_ms: Option<u64>| {
-        at_ms.is_some_and(|at| params.now_ms < at.saturating_add(params.recovery_deadline_ms))
-    };
     let mut place_holders: HashMap<u64, Vec<&str>> = HashMap::new();
     for (id, r) in &redis.records {
         let id = id.as_str();
         let Some(status) = r.status.as_deref() else { continue };
-        let returned = match redis.comp_markers.get(id).map(|reason| returns_stock(reason)) {
-            Some(Some(returned)) => returned,
-            Some(None) => {
-                c.comp_unknown_reason.push(id);
-                false
-            }
-            None => false,
-        };
         if HOLDING_PLACE.contains(&status) {
             if let Some(user) = r.user_id {
                 place_holders.entry(user).or_default().push(id);
             }
         }
-        let redis_final = FINAL_REDIS.contains(&status);
-        let p = pg.get(id).copied().filter(|p| pg_final(&p.status));
-        match p {
-            Some(p) => {
-                let mismatch = match (status, p.status.as_str()) {
-                    ("ORDER_CREATED", "ORDER_CREATED") => r.order_id != p.order_id,
-                    ("ORDER_CREATED", _) => true,
-                    // A cancelled order's reservation is COMPENSATED; a live one must not be.
-                    ("FAILED" | "COMPENSATED", "ORDER_CREATED") => p.order_live(),
-                    _ => false,
-                };
-                if mismatch {
-                    c.outcome_mismatch.push(id);
-                } else if !redis_final {
-                    if r.in_stuck && !r.in_pending {
-                        c.stuck.push(id);
-                    } else if r.in_pending && young(r.reserved_at_ms) {
-                        c.in_flight.push(id);
-                    } else {
-                        c.outcome_not_applied.push(id);
-                    }
-                }
-                // PostgreSQL gave the unit back: Redis must get it back once.
-                let should_return = match RejectReason::from_reservation_status(&p.status) {
-                    Some(reason) => reason.compensation().return_stock,
-                    None => p.order_status.is_some() && !p.order_live() && release_returns_stock,
-                };
-                if should_return && !returned {
-                    let since = if p.status == "ORDER_CREATED" {
-                        p.order_updated_at_ms.and_then(|v| u64::try_from(v).ok())
-                    } else {
-                        r.reserved_at_ms
-                    };
-                    if young(since) {
-                        c.repair_in_flight.push(id);
-                    } else {
-                        c.repair_overdue.push(id);
-                    }
-                }
-            }
-            None if redis_final => c.redis_outcome_without_pg.push(id),
-            None if r.in_stuck && !r.in_pending => c.stuck.push(id),
-            None if r.in_pending && young(r.reserved_at_ms) => c.in_flight.push(id),
-            None => c.lost.push(id),
-        }
+        c.record(&sides, id, r, status);
     }
     for ids in place_holders.into_values().filter(|ids| ids.len() > 1) {
         for id in ids {
@@ -519,6 +465,110 @@ fn cross_check<'a>(
         }
     }
     c
+}
+
+/// What one cross-check compares: PostgreSQL's reservations by id, the Redis read, the time
+/// and the activity's release policy.
+struct Sides<'a> {
+    pg: &'a HashMap<&'a str, &'a PgReservation>,
+    redis: &'a RedisSnapshot,
+    params: JudgeParams,
+    release_returns_stock: bool,
+}
+
+impl Sides<'_> {
+    /// Within the recovery deadline of `at_ms`: still in flight, not a gap.
+    fn young(&self, at_ms: Option<u64>) -> bool {
+        let deadline_ms = self.params.recovery_deadline_ms;
+        at_ms.is_some_and(|at| self.params.now_ms < at.saturating_add(deadline_ms))
+    }
+}
+
+impl<'a> CrossCheck<'a> {
+    /// One Redis record (with a status) against PostgreSQL's final row of its reservation.
+    fn record(&mut self, sides: &Sides<'a>, id: &'a str, r: &ReservationRecord, status: &str) {
+        let returned = self.stock_returned(sides.redis, id);
+        let redis_final = FINAL_REDIS.contains(&status);
+        match sides.pg.get(id).copied().filter(|p| pg_final(&p.status)) {
+            Some(p) => {
+                self.outcomes(sides, id, r, status, p);
+                self.repair(sides, id, r, p, returned);
+            }
+            None if redis_final => self.redis_outcome_without_pg.push(id),
+            None if r.in_stuck && !r.in_pending => self.stuck.push(id),
+            None if r.in_pending && sides.young(r.reserved_at_ms) => self.in_flight.push(id),
+            None => self.lost.push(id),
+        }
+    }
+
+    /// Whether the record's compensation marker says its unit went back to stock; a marker
+    /// with an unknown reason is listed, and counts as not returned.
+    fn stock_returned(&mut self, redis: &RedisSnapshot, id: &'a str) -> bool {
+        match redis.comp_markers.get(id).map(|reason| returns_stock(reason)) {
+            Some(Some(returned)) => returned,
+            Some(None) => {
+                self.comp_unknown_reason.push(id);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// PostgreSQL holds the final outcome: Redis must hold the same one, or be on its way to it.
+    fn outcomes(
+        &mut self,
+        sides: &Sides<'a>,
+        id: &'a str,
+        r: &ReservationRecord,
+        status: &str,
+        p: &PgReservation,
+    ) {
+        let mismatch = match (status, p.status.as_str()) {
+            ("ORDER_CREATED", "ORDER_CREATED") => r.order_id != p.order_id,
+            ("ORDER_CREATED", _) => true,
+            // A cancelled order's reservation is COMPENSATED; a live one must not be.
+            ("FAILED" | "COMPENSATED", "ORDER_CREATED") => p.order_live(),
+            _ => false,
+        };
+        if mismatch {
+            self.outcome_mismatch.push(id);
+        } else if !FINAL_REDIS.contains(&status) {
+            if r.in_stuck && !r.in_pending {
+                self.stuck.push(id);
+            } else if r.in_pending && sides.young(r.reserved_at_ms) {
+                self.in_flight.push(id);
+            } else {
+                self.outcome_not_applied.push(id);
+            }
+        }
+    }
+
+    /// PostgreSQL gave the unit back: Redis must get it back once.
+    fn repair(
+        &mut self,
+        sides: &Sides<'a>,
+        id: &'a str,
+        r: &ReservationRecord,
+        p: &PgReservation,
+        returned: bool,
+    ) {
+        let should_return = match RejectReason::from_reservation_status(&p.status) {
+            Some(reason) => reason.compensation().return_stock,
+            None => p.order_status.is_some() && !p.order_live() && sides.release_returns_stock,
+        };
+        if should_return && !returned {
+            let since = if p.status == "ORDER_CREATED" {
+                p.order_updated_at_ms.and_then(|v| u64::try_from(v).ok())
+            } else {
+                r.reserved_at_ms
+            };
+            if sides.young(since) {
+                self.repair_in_flight.push(id);
+            } else {
+                self.repair_overdue.push(id);
+            }
+        }
+    }
 }
 
 /// Units still held in Redis: records without a stock-returning compensation.
