@@ -246,7 +246,6 @@ fn migrate(config: &Config) -> anyhow::Result<()> {
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use flashsale_engine::app::serve::{self, Pinning, ServeConfig};
-    use flashsale_engine::logic::auth::PassKeys;
 
     fail_closed_on_panic();
 
@@ -264,20 +263,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &overrides,
         &args.conn.stack_dir,
     )?;
-    let pass_keys = match (&config.pass_keys, args.insecure_dev_auth) {
-        (Some(keys), _) => PassKeys::parse(keys).context("FLASHSALE_PASS_KEYS")?,
-        (None, true) => {
-            tracing::warn!(
-                "--insecure-dev-auth: accepting passes signed with the public development key \
-                 (kid `dev`); never use this in production"
-            );
-            PassKeys::parse(flashsale_engine::logic::auth::DEV_PASS_KEYS)?
-        }
-        (None, false) => anyhow::bail!(
-            "serve refuses to start without user-pass keys: set FLASHSALE_PASS_KEYS=kid:hexkey \
-             (or pass --insecure-dev-auth for local development)"
-        ),
-    };
+    let pass_keys = pass_keys(&config, args.insecure_dev_auth)?;
     if config.admin_token.is_none() && !config.admin_addr.ip().is_loopback() {
         anyhow::bail!(
             "the admin listener {} is not on loopback: set FLASHSALE_ADMIN_TOKEN to expose it",
@@ -285,14 +271,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     migrate(&config)?;
-    let mut edge = serve::edge_config(&config)?;
-    edge.control = control_config(&config)?;
-    edge.admission = config.admission;
-    if let Some(hex_key) = &config.payment_key {
-        let key = flashsale_io::key::HmacKey::from_hex(hex_key)
-            .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
-        edge.payment_key = Some(key);
-    }
+    let edge = edge_config(&config)?;
     let mut serve_config = ServeConfig {
         shards: config.shards,
         pins: config.pins.clone(),
@@ -319,6 +298,43 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     std::thread::sleep(std::time::Duration::from_secs(args.grace_s));
     handle.shutdown();
     Ok(())
+}
+
+/// The user-pass keys `serve` checks passes with: FLASHSALE_PASS_KEYS, or with
+/// `--insecure-dev-auth` the public development key; none at all refuses to start.
+fn pass_keys(
+    config: &Config,
+    insecure_dev_auth: bool,
+) -> anyhow::Result<flashsale_engine::logic::auth::PassKeys> {
+    use flashsale_engine::logic::auth::PassKeys;
+    match (&config.pass_keys, insecure_dev_auth) {
+        (Some(keys), _) => PassKeys::parse(keys).context("FLASHSALE_PASS_KEYS"),
+        (None, true) => {
+            tracing::warn!(
+                "--insecure-dev-auth: accepting passes signed with the public development key \
+                 (kid `dev`); never use this in production"
+            );
+            Ok(PassKeys::parse(flashsale_engine::logic::auth::DEV_PASS_KEYS)?)
+        }
+        (None, false) => anyhow::bail!(
+            "serve refuses to start without user-pass keys: set FLASHSALE_PASS_KEYS=kid:hexkey \
+             (or pass --insecure-dev-auth for local development)"
+        ),
+    }
+}
+
+/// The edge's configuration: the library's defaults for this `Config`, with the control key,
+/// the admission budgets and the payment key.
+fn edge_config(config: &Config) -> anyhow::Result<flashsale_engine::shard::EdgeConfig> {
+    let mut edge = flashsale_engine::app::serve::edge_config(config)?;
+    edge.control = control_config(config)?;
+    edge.admission = config.admission;
+    if let Some(hex_key) = &config.payment_key {
+        let key = flashsale_io::key::HmacKey::from_hex(hex_key)
+            .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
+        edge.payment_key = Some(key);
+    }
+    Ok(edge)
 }
 
 /// The control key and the mode state file (CONTRACT.md section 2).
