@@ -17,7 +17,7 @@ use flashsale_engine::logic::outcome::SubmitOutcome;
 use flashsale_engine::logic::partition::{
     Accepted, AcceptedMap, AcceptedState, FastPath, ReplicaUpdate, SkuReplica,
 };
-use flashsale_engine::logic::router::SkuKey;
+use flashsale_engine::logic::placement::SkuKey;
 
 fn request(pass: &str, request_id: &str) -> Vec<u8> {
     let body = format!(

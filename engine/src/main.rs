@@ -2,6 +2,9 @@
 //! validates its configuration here and hands typed values to the library.
 //!
 //! Exit codes (CONTRACT.md section 1): 0 success, 2 usage error (clap), 1 anything else.
+//!
+//! A panic in `flashsale serve` or `flashsale worker` aborts the process (after one
+//! `tracing::error!` line): see [`fail_closed_on_panic`] for why, and why only here.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -243,7 +246,8 @@ fn migrate(config: &Config) -> anyhow::Result<()> {
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use flashsale_engine::app::serve::{self, Pinning, ServeConfig};
-    use flashsale_engine::logic::auth::PassKeys;
+
+    fail_closed_on_panic();
 
     let overrides = Overrides {
         redis_url: args.redis_url,
@@ -259,20 +263,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &overrides,
         &args.conn.stack_dir,
     )?;
-    let pass_keys = match (&config.pass_keys, args.insecure_dev_auth) {
-        (Some(keys), _) => PassKeys::parse(keys).context("FLASHSALE_PASS_KEYS")?,
-        (None, true) => {
-            tracing::warn!(
-                "--insecure-dev-auth: accepting passes signed with the public development key \
-                 (kid `dev`); never use this in production"
-            );
-            PassKeys::parse(flashsale_engine::logic::auth::DEV_PASS_KEYS)?
-        }
-        (None, false) => anyhow::bail!(
-            "serve refuses to start without user-pass keys: set FLASHSALE_PASS_KEYS=kid:hexkey \
-             (or pass --insecure-dev-auth for local development)"
-        ),
-    };
+    let pass_keys = pass_keys(&config, args.insecure_dev_auth)?;
     if config.admin_token.is_none() && !config.admin_addr.ip().is_loopback() {
         anyhow::bail!(
             "the admin listener {} is not on loopback: set FLASHSALE_ADMIN_TOKEN to expose it",
@@ -280,14 +271,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     migrate(&config)?;
-    let mut edge = serve::edge_config(&config)?;
-    edge.control = control_config(&config)?;
-    edge.admission = config.admission;
-    if let Some(hex_key) = &config.payment_key {
-        let key = flashsale_engine::logic::key::HmacKey::from_hex(hex_key)
-            .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
-        edge.payment_key = Some(key);
-    }
+    let edge = edge_config(&config)?;
     let mut serve_config = ServeConfig {
         shards: config.shards,
         pins: config.pins.clone(),
@@ -314,6 +298,43 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     std::thread::sleep(std::time::Duration::from_secs(args.grace_s));
     handle.shutdown();
     Ok(())
+}
+
+/// The user-pass keys `serve` checks passes with: FLASHSALE_PASS_KEYS, or with
+/// `--insecure-dev-auth` the public development key; none at all refuses to start.
+fn pass_keys(
+    config: &Config,
+    insecure_dev_auth: bool,
+) -> anyhow::Result<flashsale_engine::logic::auth::PassKeys> {
+    use flashsale_engine::logic::auth::PassKeys;
+    match (&config.pass_keys, insecure_dev_auth) {
+        (Some(keys), _) => PassKeys::parse(keys).context("FLASHSALE_PASS_KEYS"),
+        (None, true) => {
+            tracing::warn!(
+                "--insecure-dev-auth: accepting passes signed with the public development key \
+                 (kid `dev`); never use this in production"
+            );
+            Ok(PassKeys::parse(flashsale_engine::logic::auth::DEV_PASS_KEYS)?)
+        }
+        (None, false) => anyhow::bail!(
+            "serve refuses to start without user-pass keys: set FLASHSALE_PASS_KEYS=kid:hexkey \
+             (or pass --insecure-dev-auth for local development)"
+        ),
+    }
+}
+
+/// The edge's configuration: the library's defaults for this `Config`, with the control key,
+/// the admission budgets and the payment key.
+fn edge_config(config: &Config) -> anyhow::Result<flashsale_engine::shard::EdgeConfig> {
+    let mut edge = flashsale_engine::app::serve::edge_config(config)?;
+    edge.control = control_config(config)?;
+    edge.admission = config.admission;
+    if let Some(hex_key) = &config.payment_key {
+        let key = flashsale_io::key::HmacKey::from_hex(hex_key)
+            .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;
+        edge.payment_key = Some(key);
+    }
+    Ok(edge)
 }
 
 /// The control key and the mode state file (CONTRACT.md section 2).
@@ -389,6 +410,7 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
 
 /// `flashsale worker`: the durable pipeline alone, scaled separately from the edge.
 fn worker(args: ConnWorkerArgs) -> anyhow::Result<()> {
+    fail_closed_on_panic();
     let overrides =
         Overrides { pg_url: args.conn.pg_url, nats_url: args.nats_url, ..Default::default() };
     let config = Config::load(
@@ -415,4 +437,49 @@ fn prometheus_recorder() -> anyhow::Result<Box<dyn Fn() -> String + Send + Sync>
         .install_recorder()
         .context("install the Prometheus recorder")?;
     Ok(Box::new(move || handle.render()))
+}
+
+/// Makes every panic of this process stop the whole process: one `tracing::error!` line with
+/// the message, the thread and the location (and a backtrace when `RUST_BACKTRACE` asks for
+/// one), then `abort`. Installed by `serve` and `worker`, the two commands that acknowledge
+/// anything.
+///
+/// Why: the release assertions on the sale's invariants (`logic/partition.rs`,
+/// `logic/reconcile.rs`, the permits and bounds of `logic/submit.rs`, and those of the other
+/// crates) panic where going on would mean oversell, a double order, a lost reservation or a
+/// false `ok`. Left to unwind, such a panic ends one glommio shard or one tokio task (tokio
+/// keeps a task's panic in its `JoinHandle`), and the rest of the process carries on: the other
+/// shards keep answering buyers, the worker keeps committing and acking, redis-sync keeps
+/// applying. Fail closed instead: nothing is answered or acknowledged after the breach. What is
+/// in flight at that moment is what a `kill -9` leaves, which the design survives (an
+/// unacknowledged message is redelivered, a reservation without an answer is republished by
+/// the scanner, an unknown outcome is never guessed), and the log line names what broke.
+///
+/// Why only here, not in the library: the in-process engine of the integration tests
+/// (`tests/src`) and the unit tests run the same code, and there a panic must stay an ordinary
+/// panic: one failed test (or a `#[should_panic]` one that passes), not an aborted test binary.
+fn fail_closed_on_panic() {
+    std::panic::set_hook(Box::new(|info| {
+        // `PanicHookInfo::payload_as_str` is newer than the workspace's rust-version.
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(a panic without a message)");
+        let location = info.location().map_or_else(String::new, ToString::to_string);
+        let thread = std::thread::current();
+        let thread = thread.name().unwrap_or("(unnamed)");
+        let backtrace = std::backtrace::Backtrace::capture();
+        if backtrace.status() == std::backtrace::BacktraceStatus::Captured {
+            tracing::error!(
+                thread,
+                location,
+                "panic, aborting (fail closed): {message}\n{backtrace}"
+            );
+        } else {
+            tracing::error!(thread, location, "panic, aborting (fail closed): {message}");
+        }
+        std::process::abort();
+    }));
 }

@@ -6,7 +6,7 @@
 //!
 //! It lives in `io`, below the engine and the worker, because both sign with the payment key:
 //! the engine checks callbacks, the worker's closer signs its status requests to the provider
-//! (`pg-worker/src/provider.rs`). The engine re-exports it as `logic::key`.
+//! (`pg-worker/src/provider.rs`); the engine imports it from here.
 //!
 //! What it is not: a signature scheme. What each key signs, and how, lives with its user
 //! (engine `auth.rs` passes, `modes.rs` snapshots; [`crate::payment`] callbacks and status

@@ -57,7 +57,8 @@ pub async fn settle_expired(
         return Err(PgError::InvalidArgument("the reservation has not expired"));
     }
     let outcomes =
-        write_batch(client, flashsale_io::jetstream::ORDER_WRITER_CONSUMER, &[message], now_ms).await?;
+        write_batch(client, flashsale_io::jetstream::ORDER_WRITER_CONSUMER, &[message], now_ms)
+            .await?;
     match outcomes.into_iter().next() {
         Some(WriteOutcome::Rejected { reason: RejectReason::Expired, .. }) => {
             Ok(Settled::RejectedNow)

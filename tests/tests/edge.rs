@@ -312,10 +312,10 @@ fn redis_timeout_after_write_is_unknown() {
 fn requests_cross_shards_and_pipelining_is_ordered() {
     let engine = Engine::start();
     // One (activity, sku) owned by each shard (the admin API holds one SKU per activity).
-    let table = flashsale_engine::logic::router::PartitionTable::new(2, &[]).unwrap();
+    let table = flashsale_engine::logic::placement::PartitionTable::new(2, &[]).unwrap();
     let mut owned: [Option<(u64, u64)>; 2] = [None, None];
     for activity in 51..200u64 {
-        let owner = table.owner(flashsale_engine::logic::router::SkuKey::new(activity, 1));
+        let owner = table.owner(flashsale_engine::logic::placement::SkuKey::new(activity, 1));
         owned[owner].get_or_insert((activity, 1));
     }
     let skus = [owned[0].unwrap(), owned[1].unwrap()];
@@ -646,10 +646,8 @@ fn slow_heads_get_408_and_idle_connections_are_closed() {
 fn queries_and_order_reads_are_rate_limited_and_bad_callbacks_counted() {
     let engine = Engine::start_with(|c| {
         c.edge.read_user_rate = flashsale_engine::logic::limiter::Rate { per_s: 1, burst: 5 };
-        c.edge.payment_key = Some(
-            flashsale_engine::logic::key::HmacKey::from_hex("00112233445566778899aabbccddeeff")
-                .unwrap(),
-        );
+        c.edge.payment_key =
+            Some(flashsale_io::key::HmacKey::from_hex("00112233445566778899aabbccddeeff").unwrap());
     });
     engine.create_activity(13, 14, 5);
     let mut c = HttpClient::connect(engine.http());

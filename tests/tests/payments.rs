@@ -15,9 +15,9 @@ mod pipeline_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flashsale_engine::logic::key::HmacKey;
-use flashsale_engine::logic::payment::Signed;
 use flashsale_io::jetstream::{EVENTS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER};
+use flashsale_io::key::HmacKey;
+use flashsale_io::payment::Signed;
 use flashsale_io::wire::{decode_event, EventType, ReservationEvent};
 use flashsale_pg_worker::payments::{
     apply_callback, cancel_order, close_due_orders, find_order, mark_payment_unknown,

@@ -530,8 +530,8 @@ fn a_live_sale_reconciles_ok_at_every_moment() {
 /// marker's reason was unknown to it, and every later round said not ok).
 #[test]
 fn a_cancelled_and_a_closed_order_reconcile_ok_with_exact_counts() {
-    use flashsale_engine::logic::key::HmacKey;
-    use flashsale_engine::logic::payment::Signed;
+    use flashsale_io::key::HmacKey;
+    use flashsale_io::payment::Signed;
     const PAY_KEY: &str = "00112233445566778899aabbccddeeff";
     let engine = Engine::start_with(|c| {
         let mut worker = small_worker(c);

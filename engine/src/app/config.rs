@@ -57,7 +57,7 @@ pub struct Config {
     /// `var/modes.json`).
     pub mode_state_file: PathBuf,
     /// Hot SKUs pinned to shards (`[engine] pins = ["10001:20001=1"]`).
-    pub pins: Vec<(crate::logic::router::SkuKey, usize)>,
+    pub pins: Vec<(crate::logic::placement::SkuKey, usize)>,
     /// `FLASHSALE_INSTANCE_ID` over `[engine] instance_id`, validated
     /// (`logic::ids::InstanceId::parse`); None: 8 random hex digits drawn at start.
     pub instance_id: Option<crate::logic::ids::InstanceId>,
@@ -97,7 +97,7 @@ impl PaymentsSettings {
     /// The provider's configuration with `key` (None without a `status_url`).
     pub fn provider(
         &self,
-        key: &crate::logic::key::HmacKey,
+        key: &flashsale_io::key::HmacKey,
     ) -> Option<flashsale_pg_worker::provider::ProviderConfig> {
         let url = self.status_url.as_ref()?;
         let mut config = flashsale_pg_worker::provider::ProviderConfig::new(url, key.clone());
@@ -152,7 +152,7 @@ fn payments_settings(
         let hex = payment_key.ok_or_else(|| {
             invalid("FLASHSALE_PAYMENT_STATUS_URL needs FLASHSALE_PAYMENT_KEY to sign with".into())
         })?;
-        let key = crate::logic::key::HmacKey::from_hex(hex)
+        let key = flashsale_io::key::HmacKey::from_hex(hex)
             .map_err(|e| invalid(format!("FLASHSALE_PAYMENT_KEY: {e}")))?;
         if let Some(provider) = settings.provider(&key) {
             provider.validate().map_err(|e| invalid(e.to_string()))?;
@@ -387,93 +387,174 @@ impl Config {
             Some(path) => read_file(path)?,
             None => read_default_file()?,
         };
-        let stack = StackEnv::read(stack_dir);
-        let pick = |flag: &Option<String>, var: &str, file: Option<String>, default: String| {
-            flag.clone().or_else(|| env.get(var).cloned()).or(file).unwrap_or(default)
-        };
-        let (file_redis_url, file_acks) =
-            file.redis.map_or((None, None), |s| (s.url, s.min_replica_acks));
-        let redis_min_replica_acks = min_replica_acks(env, file_acks)?;
-        let redis_url = pick(
-            &flags.redis_url,
-            "FLASHSALE_REDIS_URL",
-            file_redis_url,
-            stack.as_ref().map_or("redis://127.0.0.1:6379".into(), |s| s.redis_url.clone()),
-        );
-        let pg_url = pick(
-            &flags.pg_url,
-            "FLASHSALE_PG_URL",
-            file.pg.and_then(|s| s.url),
-            stack
-                .as_ref()
-                .map_or("postgres://postgres@127.0.0.1:5432/postgres".into(), |s| s.pg_url.clone()),
-        );
-        let nats_url = pick(
-            &flags.nats_url,
-            "FLASHSALE_NATS_URL",
-            file.nats.and_then(|s| s.url),
-            stack.as_ref().map_or("nats://127.0.0.1:4222".into(), |s| s.nats_url.clone()),
-        );
-        let mut http_section = file.http.unwrap_or_default();
-        let http_addr = pick(
-            &flags.http_addr,
-            "FLASHSALE_HTTP_ADDR",
-            http_section.addr.take(),
-            "0.0.0.0:8080".into(),
-        );
-        let (admin_file_addr, admin_file_token) =
-            file.admin.map_or((None, None), |s| (s.addr, s.token));
-        let admin_addr = pick(
-            &flags.admin_addr,
-            "FLASHSALE_ADMIN_ADDR",
-            admin_file_addr,
-            "127.0.0.1:9090".into(),
-        );
+        let layers = Layers { env, flags, stack: StackEnv::read(stack_dir) };
+        let FileConfig {
+            redis,
+            pg,
+            nats,
+            http,
+            admin,
+            engine,
+            auth,
+            admission,
+            log,
+            worker,
+            payments,
+        } = file;
+        let mut http_section = http.unwrap_or_default();
+        let endpoints = layers.endpoints(redis, pg, nats, &mut http_section, admin)?;
         let (file_keys, file_control, file_payment) =
-            file.auth.map_or((None, None, None), |s| (s.pass_keys, s.control_key, s.payment_key));
-        let optional = |var: &str, file: Option<String>| {
-            env.get(var).cloned().or(file).filter(|v| !v.trim().is_empty())
-        };
-        let admission = admission_budgets(file.admission.unwrap_or_default())?;
-        let worker = worker_settings(file.worker.unwrap_or_default(), env)?;
+            auth.map_or((None, None, None), |s| (s.pass_keys, s.control_key, s.payment_key));
+        let admission = admission_budgets(admission.unwrap_or_default())?;
+        let worker = worker_settings(worker.unwrap_or_default(), env)?;
         let proxy_from = env
             .get("FLASHSALE_PROXY_PROTOCOL_FROM")
             .cloned()
             .or(http_section.proxy_protocol_from.take());
         let http = http_settings(http_section, proxy_from.as_deref())?;
-        let pins = parse_pins(file.engine.as_ref().and_then(|e| e.pins.as_deref()).unwrap_or(&[]))?;
-        let file_shards = file.engine.as_ref().and_then(|e| e.shards);
-        let instance_id =
-            instance_id(env, file.engine.as_ref().and_then(|e| e.instance_id.clone()))?;
-        let shards = shard_count(flags.shards, env, file_shards)?;
-        let nats_url = check_scheme("FLASHSALE_NATS_URL", nats_url, &["nats://"])?;
-        let log = log_config(env, file.log.unwrap_or_default(), &nats_url)?;
-        let payment_key = optional("FLASHSALE_PAYMENT_KEY", file_payment);
+        let engine = engine_settings(engine.as_ref(), flags, env)?;
+        let nats_url = check_scheme("FLASHSALE_NATS_URL", endpoints.nats_url, &["nats://"])?;
+        let log = log_config(env, log.unwrap_or_default(), &nats_url)?;
+        let payment_key = layers.optional("FLASHSALE_PAYMENT_KEY", file_payment);
         let payments =
-            payments_settings(file.payments.unwrap_or_default(), env, payment_key.as_deref())?;
+            payments_settings(payments.unwrap_or_default(), env, payment_key.as_deref())?;
         Ok(Config {
-            redis_url: check_redis_url(redis_url)?,
-            redis_min_replica_acks,
-            pg_url: check_pg_url(pg_url)?,
+            redis_url: check_redis_url(endpoints.redis_url)?,
+            redis_min_replica_acks: endpoints.redis_min_replica_acks,
+            pg_url: check_pg_url(endpoints.pg_url)?,
             nats_url,
-            http_addr: parse_addr("FLASHSALE_HTTP_ADDR", &http_addr)?,
-            admin_addr: parse_addr("FLASHSALE_ADMIN_ADDR", &admin_addr)?,
-            shards,
-            pass_keys: optional("FLASHSALE_PASS_KEYS", file_keys),
-            admin_token: optional("FLASHSALE_ADMIN_TOKEN", admin_file_token),
-            control_key: optional("FLASHSALE_CONTROL_KEY", file_control),
+            http_addr: parse_addr("FLASHSALE_HTTP_ADDR", &endpoints.http_addr)?,
+            admin_addr: parse_addr("FLASHSALE_ADMIN_ADDR", &endpoints.admin_addr)?,
+            shards: engine.shards,
+            pass_keys: layers.optional("FLASHSALE_PASS_KEYS", file_keys),
+            admin_token: layers.optional("FLASHSALE_ADMIN_TOKEN", endpoints.admin_file_token),
+            control_key: layers.optional("FLASHSALE_CONTROL_KEY", file_control),
             payment_key,
             admission,
-            mode_state_file: optional("FLASHSALE_MODE_STATE_FILE", None)
+            mode_state_file: layers
+                .optional("FLASHSALE_MODE_STATE_FILE", None)
                 .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from),
-            pins,
-            instance_id,
+            pins: engine.pins,
+            instance_id: engine.instance_id,
             log,
             worker,
             http,
             payments,
         })
     }
+}
+
+/// Where [`Config::load`] reads a setting, highest first: its flag, its `FLASHSALE_*`
+/// variable, the file; then a default (for the store URLs, the stack's env file when a stack
+/// was started here).
+struct Layers<'a> {
+    env: &'a Env,
+    flags: &'a Overrides,
+    stack: Option<StackEnv>,
+}
+
+/// The addresses [`Layers::endpoints`] picked, checked later by [`Config::load`].
+struct Endpoints {
+    redis_url: String,
+    redis_min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks,
+    pg_url: String,
+    nats_url: String,
+    http_addr: String,
+    admin_addr: String,
+    /// `[admin] token`, below `FLASHSALE_ADMIN_TOKEN`.
+    admin_file_token: Option<String>,
+}
+
+impl Layers<'_> {
+    fn pick(
+        &self,
+        flag: &Option<String>,
+        var: &str,
+        file: Option<String>,
+        default: String,
+    ) -> String {
+        flag.clone().or_else(|| self.env.get(var).cloned()).or(file).unwrap_or(default)
+    }
+
+    /// A setting without a flag or a default (keys, token, a path): unset when blank.
+    fn optional(&self, var: &str, file: Option<String>) -> Option<String> {
+        self.env.get(var).cloned().or(file).filter(|v| !v.trim().is_empty())
+    }
+
+    /// The store URLs (and Redis' replica acknowledgements) and the two listeners, as picked
+    /// from the layers; `http` keeps its other fields for [`http_settings`].
+    fn endpoints(
+        &self,
+        redis: Option<RedisSection>,
+        pg: Option<UrlSection>,
+        nats: Option<UrlSection>,
+        http: &mut HttpSection,
+        admin: Option<AdminSection>,
+    ) -> Result<Endpoints, ConfigError> {
+        let (flags, stack) = (self.flags, self.stack.as_ref());
+        let (file_redis_url, file_acks) =
+            redis.map_or((None, None), |s| (s.url, s.min_replica_acks));
+        let redis_min_replica_acks = min_replica_acks(self.env, file_acks)?;
+        let redis_url = self.pick(
+            &flags.redis_url,
+            "FLASHSALE_REDIS_URL",
+            file_redis_url,
+            stack.map_or("redis://127.0.0.1:6379".into(), |s| s.redis_url.clone()),
+        );
+        let pg_url = self.pick(
+            &flags.pg_url,
+            "FLASHSALE_PG_URL",
+            pg.and_then(|s| s.url),
+            stack
+                .map_or("postgres://postgres@127.0.0.1:5432/postgres".into(), |s| s.pg_url.clone()),
+        );
+        let nats_url = self.pick(
+            &flags.nats_url,
+            "FLASHSALE_NATS_URL",
+            nats.and_then(|s| s.url),
+            stack.map_or("nats://127.0.0.1:4222".into(), |s| s.nats_url.clone()),
+        );
+        let http_addr = self.pick(
+            &flags.http_addr,
+            "FLASHSALE_HTTP_ADDR",
+            http.addr.take(),
+            "0.0.0.0:8080".into(),
+        );
+        let (admin_file_addr, admin_file_token) = admin.map_or((None, None), |s| (s.addr, s.token));
+        let admin_addr = self.pick(
+            &flags.admin_addr,
+            "FLASHSALE_ADMIN_ADDR",
+            admin_file_addr,
+            "127.0.0.1:9090".into(),
+        );
+        Ok(Endpoints {
+            redis_url,
+            redis_min_replica_acks,
+            pg_url,
+            nats_url,
+            http_addr,
+            admin_addr,
+            admin_file_token,
+        })
+    }
+}
+
+/// `[engine]` with its variables and flag: hot-SKU pins, the instance id, the shard count.
+struct EngineSettings {
+    pins: Vec<(crate::logic::placement::SkuKey, usize)>,
+    instance_id: Option<crate::logic::ids::InstanceId>,
+    shards: usize,
+}
+
+fn engine_settings(
+    engine: Option<&EngineSection>,
+    flags: &Overrides,
+    env: &Env,
+) -> Result<EngineSettings, ConfigError> {
+    let pins = parse_pins(engine.and_then(|e| e.pins.as_deref()).unwrap_or(&[]))?;
+    let instance_id = instance_id(env, engine.and_then(|e| e.instance_id.clone()))?;
+    let shards = shard_count(flags.shards, env, engine.and_then(|e| e.shards))?;
+    Ok(EngineSettings { pins, instance_id, shards })
 }
 
 /// `flashsale.toml` in the working directory when it exists, else an empty file.
@@ -551,7 +632,7 @@ fn shard_count(flag: Option<usize>, env: &Env, file: Option<usize>) -> Result<us
             }
         },
     };
-    let max = crate::logic::router::SHARDS_MAX;
+    let max = crate::logic::placement::SHARDS_MAX;
     if shards == 0 || shards > max {
         return Err(invalid(format!("{shards} must be between 1 and {max}")));
     }
@@ -698,14 +779,14 @@ fn http_settings(
 
 fn parse_pins(
     entries: &[String],
-) -> Result<Vec<(crate::logic::router::SkuKey, usize)>, ConfigError> {
+) -> Result<Vec<(crate::logic::placement::SkuKey, usize)>, ConfigError> {
     entries
         .iter()
         .map(|entry| {
             let parsed = entry.split_once('=').and_then(|(sku, shard)| {
                 let (a, s) = sku.split_once(':')?;
                 Some((
-                    crate::logic::router::SkuKey::new(
+                    crate::logic::placement::SkuKey::new(
                         a.trim().parse().ok()?,
                         s.trim().parse().ok()?,
                     ),
@@ -855,7 +936,7 @@ mod tests {
         let c =
             Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
         assert_eq!(c.shards, 2);
-        assert_eq!(c.pins, vec![(crate::logic::router::SkuKey::new(10001, 20001), 1)]);
+        assert_eq!(c.pins, vec![(crate::logic::placement::SkuKey::new(10001, 20001), 1)]);
         std::fs::write(&path, "[engine]\npins = [\"10001-20001\"]\n").expect("w");
         let err =
             Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();

@@ -102,41 +102,8 @@ const ACTIVITY_ID: u64 = 10_001;
 const SKU_ID: u64 = 20_001;
 
 pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
-    if let Some(fault) = plan.fault {
-        anyhow::ensure!(
-            fault.fits(plan.topology),
-            "--fault {} needs --topology {}",
-            fault.name(),
-            if fault == Fault::RedisMaster { "cluster or ha" } else { "ha" }
-        );
-    }
-    // Every run starts from empty stores: a previous run's orders and tokens would otherwise
-    // be counted (and its sold-out tokens would reject every new reservation).
-    if plan.dir.exists() {
-        stack::down(&plan.dir, true)?;
-    }
-    eprintln!(
-        "demo: starting private servers ({}) under {}",
-        plan.topology.name(),
-        plan.dir.display()
-    );
-    let env = stack::up_with(&plan.dir, plan.topology)?;
-    let overrides = Overrides {
-        redis_url: Some(env.redis_url.clone()),
-        pg_url: Some(env.pg_url.clone()),
-        nats_url: Some(env.nats_url.clone()),
-        http_addr: Some("127.0.0.1:0".into()),
-        admin_addr: Some("127.0.0.1:0".into()),
-        shards: None,
-    };
-    let mut config = Config::load(None, &config::Env::new(), &overrides, &plan.dir)?;
-    if plan.topology == Topology::Ha {
-        // Three NATS nodes: every stream and the mode bucket on all three.
-        config.log.replicas = 3;
-    }
-    crate::app::serve::migrate(&config)?;
-    let handle = serve::start(serve_config(&config, plan)?)?;
-    eprintln!("demo: engine up on http://{}, admin http://{}", handle.http_addr, handle.admin_addr);
+    check_fault(plan)?;
+    let (config, handle) = start_stack_and_engine(plan)?;
     for path in [&plan.json, &plan.svg] {
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)?;
@@ -180,6 +147,64 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     }
     handle.shutdown();
     stack::down(&plan.dir, false)?;
+    add_fault_and_cpu(plan, fault_report, samples)?;
+    anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
+    eprintln!("demo: report in {}, picture in {}", plan.json.display(), plan.svg.display());
+    Ok(())
+}
+
+/// A fault needs a topology that has what it breaks.
+fn check_fault(plan: &DemoPlan) -> anyhow::Result<()> {
+    if let Some(fault) = plan.fault {
+        anyhow::ensure!(
+            fault.fits(plan.topology),
+            "--fault {} needs --topology {}",
+            fault.name(),
+            if fault == Fault::RedisMaster { "cluster or ha" } else { "ha" }
+        );
+    }
+    Ok(())
+}
+
+/// Empty private servers of the plan's topology, migrated, and the engine on them (port 0).
+fn start_stack_and_engine(plan: &DemoPlan) -> anyhow::Result<(Config, serve::ServeHandle)> {
+    // Every run starts from empty stores: a previous run's orders and tokens would otherwise
+    // be counted (and its sold-out tokens would reject every new reservation).
+    if plan.dir.exists() {
+        stack::down(&plan.dir, true)?;
+    }
+    eprintln!(
+        "demo: starting private servers ({}) under {}",
+        plan.topology.name(),
+        plan.dir.display()
+    );
+    let env = stack::up_with(&plan.dir, plan.topology)?;
+    let overrides = Overrides {
+        redis_url: Some(env.redis_url.clone()),
+        pg_url: Some(env.pg_url.clone()),
+        nats_url: Some(env.nats_url.clone()),
+        http_addr: Some("127.0.0.1:0".into()),
+        admin_addr: Some("127.0.0.1:0".into()),
+        shards: None,
+    };
+    let mut config = Config::load(None, &config::Env::new(), &overrides, &plan.dir)?;
+    if plan.topology == Topology::Ha {
+        // Three NATS nodes: every stream and the mode bucket on all three.
+        config.log.replicas = 3;
+    }
+    crate::app::serve::migrate(&config)?;
+    let handle = serve::start(serve_config(&config, plan)?)?;
+    eprintln!("demo: engine up on http://{}, admin http://{}", handle.http_addr, handle.admin_addr);
+    Ok((config, handle))
+}
+
+/// The fault's account and the CPU table, added to the load generator's JSON report (a CPU
+/// table that cannot be made is said, not fatal).
+fn add_fault_and_cpu(
+    plan: &DemoPlan,
+    fault_report: Option<serde_json::Value>,
+    samples: Option<(Vec<demo_cpu::Sample>, serde_json::Value)>,
+) -> anyhow::Result<()> {
     if let Some(report) = fault_report {
         eprintln!("demo: fault {report}");
         add_to_report(&plan.json, "fault", report)?;
@@ -189,8 +214,6 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
             eprintln!("demo: no CPU table: {e:#}");
         }
     }
-    anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
-    eprintln!("demo: report in {}, picture in {}", plan.json.display(), plan.svg.display());
     Ok(())
 }
 

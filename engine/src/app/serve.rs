@@ -16,8 +16,15 @@ use glommio::{ExecutorJoinHandle, LocalExecutorBuilder, Placement};
 use crate::durable::{Durable, DurableConfig};
 use crate::logic::auth::PassKeys;
 use crate::logic::metrics::EdgeMetrics;
-use crate::logic::router::PartitionTable;
+use crate::logic::placement::PartitionTable;
 use crate::shard::{self, EdgeConfig, EdgeShared, ShardStart};
+
+/// Each shard's ends of the durable side's queues: `redis-sync`'s events and the
+/// stock-returned notices.
+type ShardReceivers = Vec<(
+    tokio::sync::mpsc::Receiver<crate::durable::sync::SyncRequest>,
+    tokio::sync::mpsc::Receiver<crate::logic::placement::SkuKey>,
+)>;
 
 /// Whether shards are pinned one per core (production) or float (shared machines, tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +37,7 @@ pub enum Pinning {
 pub struct ServeConfig {
     pub shards: usize,
     /// Hot SKUs pinned to shards; the rest round-robin by partition.
-    pub pins: Vec<(crate::logic::router::SkuKey, usize)>,
+    pub pins: Vec<(crate::logic::placement::SkuKey, usize)>,
     pub pinning: Pinning,
     pub http_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -114,7 +121,7 @@ pub fn worker_config(
     // `[payments] status_url`: the closer asks the provider before closing (the key was
     // checked with the URL by `Config::load`).
     let key =
-        config.payment_key.as_deref().and_then(|k| crate::logic::key::HmacKey::from_hex(k).ok());
+        config.payment_key.as_deref().and_then(|k| flashsale_io::key::HmacKey::from_hex(k).ok());
     worker.closer.provider = key.and_then(|key| config.payments.provider(&key));
     worker
 }
@@ -173,14 +180,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         idle_timeout_ms: 60_000,
         proxy_protocol_from: crate::http::proxy::TrustedSources::default(),
         health_path: None,
-        redis: RedisConfig {
-            // Every SKU's admission bound (partition.in_flight_max, 1,024) fits under it with
-            // room for queries, mark_sent and the scanner, so a full SKU answers OVERLOADED
-            // before the shared connection would answer Full (SYSTEM_BUSY). The queueing
-            // delay this allows, 4,096 × ~20 µs ≈ 82 ms, stays well under the 250 ms deadline.
-            in_flight_max: 4_096,
-            ..RedisConfig::new(redis)
-        },
+        redis: default_redis_config(redis),
         redis_seeds: vec![redis],
         min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks::Auto,
         pending_grace_ms: 2_000,
@@ -209,14 +209,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         redis_circuit: crate::logic::circuit::CircuitConfig::default(),
         // Set from FLASHSALE_PAYMENT_KEY by `main`; none: payment callbacks refused.
         payment_key: None,
-        // Three attempts within 100 ms: a blip is absorbed, an outage is not waited out
-        // (the circuit and the scanner handle those).
-        idempotent_retry: crate::logic::circuit::RetryPolicy {
-            attempts_max: 3,
-            base_delay_ms: 10,
-            delay_max_ms: 50,
-            budget_ms: 100,
-        },
+        idempotent_retry: IDEMPOTENT_RETRY,
         admission: crate::logic::admission::Budgets::default(),
         // Above every SKU's own bound (partition.in_flight_max) times a few hot SKUs, below
         // the Redis connection's bound: a shard full of slow submits answers OVERLOADED.
@@ -228,6 +221,27 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         instance_id: crate::logic::ids::InstanceId::from_random(rand::random()),
     }
 }
+
+/// A shard's Redis connection.
+fn default_redis_config(redis: SocketAddr) -> RedisConfig {
+    RedisConfig {
+        // Every SKU's admission bound (partition.in_flight_max, 1,024) fits under it with
+        // room for queries, mark_sent and the scanner, so a full SKU answers OVERLOADED
+        // before the shared connection would answer Full (SYSTEM_BUSY). The queueing
+        // delay this allows, 4,096 × ~20 µs ≈ 82 ms, stays well under the 250 ms deadline.
+        in_flight_max: 4_096,
+        ..RedisConfig::new(redis)
+    }
+}
+
+/// Retries of an idempotent Redis call: three attempts within 100 ms, so a blip is absorbed
+/// and an outage is not waited out (the circuit and the scanner handle those).
+const IDEMPOTENT_RETRY: crate::logic::circuit::RetryPolicy = crate::logic::circuit::RetryPolicy {
+    attempts_max: 3,
+    base_delay_ms: 10,
+    delay_max_ms: 50,
+    budget_ms: 100,
+};
 
 pub fn default_durable_config(pg_url: &str, nats_url: &str) -> DurableConfig {
     DurableConfig {
@@ -344,29 +358,9 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     tracing::info!(instance = %instance_id, pid = std::process::id(), "engine instance starting");
     let shard_count = config.shards;
     let table = PartitionTable::new(shard_count, &config.pins)?;
-    let (sync_senders, sync_receivers): (Vec<_>, Vec<_>) =
-        (0..shard_count).map(|_| tokio::sync::mpsc::channel(config.edge.mesh_capacity)).unzip();
-    let (notice_senders, notice_receivers): (Vec<_>, Vec<_>) =
-        (0..shard_count).map(|_| tokio::sync::mpsc::channel(config.edge.mesh_capacity)).unzip();
-    let targets = crate::durable::sync::SyncTargets {
-        table: table.clone(),
-        shards: sync_senders,
-        notices: notice_senders,
-    };
-    let modes = Arc::new(crate::durable::modes::ModeState::load(&config.edge.control));
-    let health = Arc::new(crate::durable::health::Health::default());
-    // PostgreSQL answered the durable side's start-up check; the poller keeps this current.
-    health.pg_ok_at_ms.store(crate::logic::clock::now_ms(), Ordering::Relaxed);
-    let lease = Arc::new(crate::durable::lease::Lease::default());
-    let reconcile = config.edge.reconcile;
-    let control = crate::durable::Control {
-        modes: Arc::clone(&modes),
-        health: Arc::clone(&health),
-        health_poll_ms: config.edge.health_poll_ms,
-        reconcile_lease: (reconcile.interval_ms > 0)
-            .then(|| (instance_id.clone(), Duration::from_millis(reconcile.lease_ms))),
-        lease: Arc::clone(&lease),
-    };
+    let (targets, receivers) = sync_mesh(&table, shard_count, config.edge.mesh_capacity);
+    let state = ControlState::new(&config.edge);
+    let control = state.control(&config.edge);
     let (durable, durable_handle) = Durable::start(config.durable.clone(), Some(targets), control)?;
     let worker = match config.worker.clone() {
         Some(worker_config) => Some(
@@ -383,26 +377,9 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
         admin_addr: config.admin_addr,
         io_memory_bytes: config.io_memory_bytes,
     };
-    let shared = Arc::new(EdgeShared {
-        config: config.edge.clone(),
-        table,
-        pass_keys: config.pass_keys,
-        admin_token: config.admin_token,
-        metrics: EdgeMetrics::new(shard_count),
-        durable: durable_handle,
-        draining: AtomicBool::new(false),
-        stopping: AtomicBool::new(false),
-        heartbeats: (0..shard_count)
-            .map(|_| AtomicU64::new(crate::logic::clock::now_ms()))
-            .collect(),
-        started: (0..shard_count).map(|_| AtomicBool::new(false)).collect(),
-        ports: std::sync::OnceLock::new(),
-        modes,
-        health: Arc::clone(&health),
-        reconcile_lease: lease,
-        render_extra: config.render_extra,
-    });
-    let receivers = sync_receivers.into_iter().zip(notice_receivers).collect();
+    let (http_addr, admin_addr) = (config.http_addr, config.admin_addr);
+    let health = Arc::clone(&state.health);
+    let shared = edge_shared(config, table, durable_handle, state);
     let executors = match spawn_shards(&plan, &shared, receivers) {
         Ok(executors) => executors,
         Err(e) => {
@@ -411,8 +388,8 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
         }
     };
     let mut handle = ServeHandle {
-        http_addr: config.http_addr,
-        admin_addr: config.admin_addr,
+        http_addr,
+        admin_addr,
         shared: Arc::clone(&shared),
         executors,
         durable: Some(durable),
@@ -427,6 +404,89 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
         handle.admin_addr.set_port(*admin_port);
     }
     Ok(handle)
+}
+
+/// The queues from the durable side to each shard: `redis-sync`'s events and the
+/// stock-returned notices (the senders, by the partition table, for the durable side; the
+/// receivers, one pair per shard, for the shards).
+fn sync_mesh(
+    table: &PartitionTable,
+    shard_count: usize,
+    capacity: usize,
+) -> (crate::durable::sync::SyncTargets, ShardReceivers) {
+    let (sync_senders, sync_receivers): (Vec<_>, Vec<_>) =
+        (0..shard_count).map(|_| tokio::sync::mpsc::channel(capacity)).unzip();
+    let (notice_senders, notice_receivers): (Vec<_>, Vec<_>) =
+        (0..shard_count).map(|_| tokio::sync::mpsc::channel(capacity)).unzip();
+    let targets = crate::durable::sync::SyncTargets {
+        table: table.clone(),
+        shards: sync_senders,
+        notices: notice_senders,
+    };
+    (targets, sync_receivers.into_iter().zip(notice_receivers).collect())
+}
+
+/// What the durable side keeps current and every shard reads: the mode table, the
+/// dependencies' health, the reconcile lease.
+struct ControlState {
+    modes: Arc<crate::durable::modes::ModeState>,
+    health: Arc<crate::durable::health::Health>,
+    lease: Arc<crate::durable::lease::Lease>,
+}
+
+impl ControlState {
+    fn new(edge: &EdgeConfig) -> ControlState {
+        let modes = Arc::new(crate::durable::modes::ModeState::load(&edge.control));
+        let health = Arc::new(crate::durable::health::Health::default());
+        // PostgreSQL answered the durable side's start-up check; the poller keeps this current.
+        health.pg_ok_at_ms.store(crate::logic::clock::now_ms(), Ordering::Relaxed);
+        let lease = Arc::new(crate::durable::lease::Lease::default());
+        ControlState { modes, health, lease }
+    }
+
+    /// The durable side's handles on it, with the poll period and the reconcile lease this
+    /// instance asks for (none when the periodic reconcile is off).
+    fn control(&self, edge: &EdgeConfig) -> crate::durable::Control {
+        let reconcile = edge.reconcile;
+        crate::durable::Control {
+            modes: Arc::clone(&self.modes),
+            health: Arc::clone(&self.health),
+            health_poll_ms: edge.health_poll_ms,
+            reconcile_lease: (reconcile.interval_ms > 0)
+                .then(|| (edge.instance_id.clone(), Duration::from_millis(reconcile.lease_ms))),
+            lease: Arc::clone(&self.lease),
+        }
+    }
+}
+
+/// What every shard shares: the edge's configuration and tables, the durable side's handle,
+/// the metrics, the flags of a stop, and the control state.
+fn edge_shared(
+    config: ServeConfig,
+    table: PartitionTable,
+    durable: crate::durable::DurableHandle,
+    state: ControlState,
+) -> Arc<EdgeShared> {
+    let shard_count = config.shards;
+    Arc::new(EdgeShared {
+        config: config.edge,
+        table,
+        pass_keys: config.pass_keys,
+        admin_token: config.admin_token,
+        metrics: EdgeMetrics::new(shard_count),
+        durable,
+        draining: AtomicBool::new(false),
+        stopping: AtomicBool::new(false),
+        heartbeats: (0..shard_count)
+            .map(|_| AtomicU64::new(crate::logic::clock::now_ms()))
+            .collect(),
+        started: (0..shard_count).map(|_| AtomicBool::new(false)).collect(),
+        ports: std::sync::OnceLock::new(),
+        modes: state.modes,
+        health: state.health,
+        reconcile_lease: state.lease,
+        render_extra: config.render_extra,
+    })
 }
 
 /// What starting the shards needs of the configuration.
@@ -444,10 +504,7 @@ struct ShardPlan {
 fn spawn_shards(
     config: &ShardPlan,
     shared: &Arc<EdgeShared>,
-    receivers: Vec<(
-        tokio::sync::mpsc::Receiver<crate::durable::sync::SyncRequest>,
-        tokio::sync::mpsc::Receiver<crate::logic::router::SkuKey>,
-    )>,
+    receivers: ShardReceivers,
 ) -> anyhow::Result<Vec<ExecutorJoinHandle<()>>> {
     let shard_count = config.shards;
     let mesh = MeshBuilder::full(shard_count, config.mesh_capacity);

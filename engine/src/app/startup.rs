@@ -202,6 +202,38 @@ impl fmt::Display for Warning {
                  that accepts never fail with EMFILE; raise LimitNOFILE= to serve more",
                 hard.map_or_else(|| "unlimited".to_owned(), |h| h.to_string())
             ),
+            Warning::ShardsExceedAllowedCpus { .. }
+            | Warning::PinsOffline { .. }
+            | Warning::PinsOutsideAllowed { .. }
+            | Warning::PinsNotIsolated { .. }
+            | Warning::UnpinnedWithIsolatedCpus { .. }
+            | Warning::PinnedWithoutIsolation { .. } => self.fmt_cpu_placement(f),
+            Warning::ThpAlways => write!(
+                f,
+                "transparent huge pages are `always`: every process on this host may stall \
+                 in page-fault compaction and grow its resident memory; set `madvise` so only \
+                 programs that ask get huge pages (see tuning/README.md)"
+            ),
+            Warning::SomaxconnBelowBacklog { somaxconn, backlog } => write!(
+                f,
+                "net.core.somaxconn={somaxconn} caps the listen backlog {backlog}: a \
+                 connection burst beyond it is dropped (ListenOverflows) and clients retry \
+                 SYN after 1 s; set net.core.somaxconn >= {backlog}"
+            ),
+            Warning::SynBacklogBelowBacklog { tcp_max_syn_backlog, backlog } => write!(
+                f,
+                "net.ipv4.tcp_max_syn_backlog={tcp_max_syn_backlog} is below the listen \
+                 backlog {backlog}: half-open connections beyond it fall back to SYN cookies \
+                 or are dropped; set it >= {backlog}"
+            ),
+        }
+    }
+}
+
+impl Warning {
+    /// The messages of the warnings about where shards run (CPU counts, pins, isolation).
+    fn fmt_cpu_placement(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
             Warning::ShardsExceedAllowedCpus { shards, allowed } => write!(
                 f,
                 "{shards} shards but this process may run on {} CPUs ({}): shards share cores \
@@ -247,24 +279,13 @@ impl fmt::Display for Warning {
                  (isolcpus=/nohz_full=, IRQ affinity) or run with --no-pin on shared hosts",
                 CpuList(cpus)
             ),
-            Warning::ThpAlways => write!(
-                f,
-                "transparent huge pages are `always`: every process on this host may stall \
-                 in page-fault compaction and grow its resident memory; set `madvise` so only \
-                 programs that ask get huge pages (see tuning/README.md)"
-            ),
-            Warning::SomaxconnBelowBacklog { somaxconn, backlog } => write!(
-                f,
-                "net.core.somaxconn={somaxconn} caps the listen backlog {backlog}: a \
-                 connection burst beyond it is dropped (ListenOverflows) and clients retry \
-                 SYN after 1 s; set net.core.somaxconn >= {backlog}"
-            ),
-            Warning::SynBacklogBelowBacklog { tcp_max_syn_backlog, backlog } => write!(
-                f,
-                "net.ipv4.tcp_max_syn_backlog={tcp_max_syn_backlog} is below the listen \
-                 backlog {backlog}: half-open connections beyond it fall back to SYN cookies \
-                 or are dropped; set it >= {backlog}"
-            ),
+            // Written by `Display::fmt` itself; never sent here.
+            Warning::MemlockBelowGlommioMinimum { .. }
+            | Warning::MemlockBelowRegisteredBuffers { .. }
+            | Warning::NofileBelowConnections { .. }
+            | Warning::ThpAlways
+            | Warning::SomaxconnBelowBacklog { .. }
+            | Warning::SynBacklogBelowBacklog { .. } => f.write_str(self.name()),
         }
     }
 }

@@ -70,7 +70,7 @@ pub enum DurableRequest {
     },
     /// Tells every instance that compensation returned stock of this SKU to Redis (a core
     /// NATS notice, [`notice`]); fire and forget.
-    StockReturned { key: crate::logic::router::SkuKey },
+    StockReturned { key: crate::logic::placement::SkuKey },
     /// Any PostgreSQL work of the edge (see [`DurableHandle::pg`]): a pooled connection,
     /// bounded by `pg_timeout_ms`. The SQL itself lives in `flashsale_pg_worker`.
     Pg(PgJob),

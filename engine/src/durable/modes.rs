@@ -31,9 +31,9 @@ use flashsale_io::jetstream::async_nats;
 
 use super::error::DurableError;
 use super::wait::pause;
-use crate::logic::key::HmacKey;
 use crate::logic::modes::{Applied, EffectiveMode, ModeConfig, ModeError, ModeTable};
 use crate::logic::modes::{Scope, SignedSnapshot};
+use flashsale_io::key::HmacKey;
 
 /// Where the control plane's state comes from.
 #[derive(Debug, Clone, Default)]

@@ -15,7 +15,7 @@ use flashsale_io::jetstream::STOCK_RETURNED_PREFIX;
 use futures::StreamExt as _;
 
 use crate::durable::sync::SyncTargets;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// The notice's subject for a SKU.
 pub fn subject(key: SkuKey) -> String {

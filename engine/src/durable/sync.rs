@@ -15,7 +15,7 @@ use flashsale_io::wire::{decode_event, ReservationEvent};
 use futures::channel::oneshot;
 use tokio::sync::mpsc;
 
-use crate::logic::router::{PartitionTable, SkuKey};
+use crate::logic::placement::{PartitionTable, SkuKey};
 
 /// Events pulled per fetch.
 const FETCH_MAX: usize = 256;

@@ -17,8 +17,8 @@
 //!
 //! Not here: the head, `Transfer-Encoding` itself (see `parse.rs`), and any allocation.
 
+use super::limits::Limits;
 use super::line::{find_line_end, LineEnd};
-use super::parse::Limits;
 use super::rejection::Rejection;
 
 /// Most hex digits in a chunk size. 8 digits reach 4 GiB, far past any body we accept;

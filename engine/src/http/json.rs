@@ -5,11 +5,12 @@
 //! the API layer), or allocation. Field names are written escaped too, although ours are
 //! static identifiers: the writer stays correct whatever it is given.
 //!
+//! Also the one decimal writer of the layer, [`write_u64`]: JSON integers here, and the
+//! status code, `content-length` and `retry-after` of the response head.
+//!
 //! Read next: [`super::response::StateBody`], the body every reservation answer uses.
 
 use bytes::BytesMut;
-
-use super::response::write_u64;
 
 /// An open JSON object. [`JsonObject::finish`] closes it; it is `#[must_use]` so that an
 /// object left open is a warning, not a malformed body on the wire.
@@ -108,6 +109,11 @@ pub fn write_json_string(out: &mut BytesMut, value: &str) {
     }
     out.extend_from_slice(&bytes[plain_start..]);
     out.extend_from_slice(b"\"");
+}
+
+/// Decimal digits of `value`, formatted on the stack.
+pub(super) fn write_u64(out: &mut BytesMut, value: u64) {
+    out.extend_from_slice(flashsale_io::resp::U64Text::new(value).as_bytes());
 }
 
 #[cfg(test)]

@@ -1,11 +1,13 @@
 //! The sans-I/O HTTP/1.1 layer of the edge: bytes in, a parsed [`Request`] or a
 //! [`Rejection`] out; a response written into a caller-owned `BytesMut`.
 //!
-//! - [`parse`]: [`parse_request`], [`Limits`], [`Request`].
+//! - [`parse`]: [`parse_request`], [`Request`].
+//! - [`limits`]: [`Limits`], every bound on one request, shared by `parse` and `chunked`.
 //! - [`rejection`]: [`Rejection`], its status and `reason_code`.
 //! - [`chunked`]: the strict, bounded chunked decoder (used by `parse`).
 //! - [`response`]: [`write_response`], [`write_rejection`], [`Status`], [`StateBody`].
-//! - [`json`]: the allocation-free flat JSON object writer.
+//! - [`json`]: the allocation-free flat JSON object writer and the decimal writer the
+//!   response head shares with it.
 //! - [`proxy`]: the PROXY protocol v1/v2 header parser and the trusted-source list.
 //!
 //! What it deliberately does not do: I/O, clocks, spawning, routing, authentication,
@@ -87,6 +89,7 @@
 
 pub mod chunked;
 pub mod json;
+pub mod limits;
 mod line;
 pub mod parse;
 pub mod proxy;
@@ -96,9 +99,10 @@ pub mod response;
 #[cfg(test)]
 mod proptests;
 
+pub use limits::Limits;
 pub use parse::{
-    is_valid_traceparent, parse_request, progress, Body, Limits, Method, Parsed, Progress,
-    Rejection, Request, Version,
+    is_valid_traceparent, parse_request, progress, Body, Method, Parsed, Progress, Rejection,
+    Request, Version,
 };
 pub use response::{
     write_rejection, write_response, Connection, ContentType, ResponseHead, StateBody, Status,

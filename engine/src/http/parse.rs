@@ -5,7 +5,7 @@
 //! What it does: a strict pre-scan of the head (`scan_head`: CRLF only, no obs-fold, no
 //! whitespace before a colon, the request-line and header-section limits enforced on
 //! whatever has arrived so far), then `httparse` over the complete head into a fixed
-//! stack array of [`HEADER_SLOTS`] headers, then our own validation of the few headers
+//! stack array of [`HEADER_SLOTS`] headers ([`super::limits`]), then our own validation of the few headers
 //! that matter (framing, `Host`, `Connection`, and the ones the edge reads), then the body
 //! (Content-Length, or chunked via [`super::chunked`]).
 //!
@@ -18,15 +18,12 @@
 //! written back, and the smuggling rules in [`super`] (the module doc of `http`).
 
 use std::mem::MaybeUninit;
+use std::ops::ControlFlow;
 
 use super::chunked::{self, ChunkedScan};
+use super::limits::{Limits, HEADER_SLOTS};
 use super::line::{find_line_end, LineEnd};
 pub use super::rejection::Rejection;
-
-/// Number of `httparse::Header` slots on the stack (left uninitialised until parsed). [`Limits::headers_max`] may not exceed
-/// it ([`Limits::validate`]); the pre-scan rejects a 65th header line before `httparse`
-/// ever runs out of slots.
-pub const HEADER_SLOTS: usize = 64;
 
 /// Empty lines (CRLF) tolerated before the request line. RFC 9112 section 2.2 asks a
 /// server to ignore "at least one" (some clients send a stray CRLF after a POST body);
@@ -36,99 +33,6 @@ pub const LEADING_EMPTY_LINES_MAX: usize = 2;
 /// Longest `Content-Length` value accepted, in digits. 20 digits hold every `u64`;
 /// anything longer is either an overflow or absurd zero padding: rejected as malformed.
 pub const CONTENT_LENGTH_DIGITS_MAX: usize = 20;
-
-/// Limits on one request. The connection loop also takes [`Limits::pipeline_depth_max`]
-/// from here so that every bound on a request lives in one struct.
-///
-/// Validate a non-default value once at start-up with [`Limits::validate`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Longest request line (method, target, version; without CRLF). Beyond: 414.
-    pub request_line_bytes_max: usize,
-    /// Most header lines. Beyond: 431. At most [`HEADER_SLOTS`].
-    pub headers_max: usize,
-    /// Longest head: leading empty lines, request line, header lines and the blank line,
-    /// all CRLFs included. Beyond: 431.
-    pub header_section_bytes_max: usize,
-    /// Largest (decoded) body. Beyond: 413.
-    pub body_bytes_max: usize,
-    /// Most requests a connection parses ahead of its answers. Not used by the parser;
-    /// the connection stops reading (leaves bytes in its buffer) at this depth.
-    pub pipeline_depth_max: usize,
-}
-
-/// Extra bytes allowed on the wire for chunk framing on top of twice the body limit
-/// (see [`Limits::chunked_body_wire_bytes_max`]).
-const CHUNKED_FRAMING_BYTES_EXTRA: usize = 256;
-
-/// Largest `body_bytes_max` [`Limits::validate`] accepts: keeps every sum below in
-/// `usize` without thinking, and a body this size is already far beyond the API's needs.
-const BODY_BYTES_MAX_CEILING: usize = 1 << 24;
-
-impl Limits {
-    /// The edge's limits (issue 3, item 2).
-    pub const DEFAULT: Limits = Limits {
-        request_line_bytes_max: 8192,
-        headers_max: 64,
-        header_section_bytes_max: 16384,
-        body_bytes_max: 4096,
-        pipeline_depth_max: 16,
-    };
-
-    /// Checks the relations between the limits. The parser relies on them: a request
-    /// line longer than the header section could never yield 414, more headers than
-    /// [`HEADER_SLOTS`] would overflow the stack array, a zero pipeline depth would never
-    /// serve anything.
-    pub const fn validate(&self) -> Result<(), &'static str> {
-        if self.request_line_bytes_max == 0 {
-            return Err("request_line_bytes_max must be at least 1");
-        }
-        if self.request_line_bytes_max > self.header_section_bytes_max {
-            return Err("request_line_bytes_max must not exceed header_section_bytes_max");
-        }
-        if self.headers_max == 0 || self.headers_max > HEADER_SLOTS {
-            return Err("headers_max must be in 1..=HEADER_SLOTS (64)");
-        }
-        if self.body_bytes_max > BODY_BYTES_MAX_CEILING {
-            return Err("body_bytes_max must not exceed 16 MiB");
-        }
-        if self.pipeline_depth_max == 0 {
-            return Err("pipeline_depth_max must be at least 1");
-        }
-        Ok(())
-    }
-
-    /// Most bytes a chunked body may take on the wire, framing included. Bounded so that
-    /// one request can never need more buffer than [`Limits::request_bytes_max`], even if
-    /// it sends its 4 KiB in one-byte chunks with long extensions.
-    pub const fn chunked_body_wire_bytes_max(&self) -> usize {
-        2 * self.body_bytes_max + CHUNKED_FRAMING_BYTES_EXTRA
-    }
-
-    /// Most bytes one complete request can occupy in the connection's buffer. A read
-    /// buffer of this size (times nothing: pipelined requests are consumed as parsed)
-    /// always has room for the request being parsed.
-    pub const fn request_bytes_max(&self) -> usize {
-        self.header_section_bytes_max + self.chunked_body_wire_bytes_max()
-    }
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self::DEFAULT
-    }
-}
-
-const _: () = match Limits::DEFAULT.validate() {
-    Ok(()) => (),
-    Err(_) => panic!("Limits::DEFAULT breaks Limits::validate"),
-};
-// Spelled out as well, so that the relations the issue names are visible here.
-const _: () =
-    assert!(Limits::DEFAULT.request_line_bytes_max <= Limits::DEFAULT.header_section_bytes_max);
-const _: () = assert!(Limits::DEFAULT.headers_max <= HEADER_SLOTS);
-const _: () =
-    assert!(Limits::DEFAULT.body_bytes_max <= Limits::DEFAULT.chunked_body_wire_bytes_max());
 
 /// The outcome of one call to [`parse_request`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -350,51 +254,79 @@ enum HeadScan {
 /// colon. `httparse` would refuse most of these too, but with less precise reasons and
 /// only once the line is complete; and it accepts bare LF, which we do not.
 fn scan_head(buf: &[u8], limits: &Limits) -> HeadScan {
+    // Each step checks its lines and hands on the offset of the next line, or ends the scan.
+    let request_line_start = match skip_leading_empty_lines(buf) {
+        ControlFlow::Continue(at) => at,
+        ControlFlow::Break(scan) => return scan,
+    };
+    let headers_start = match scan_request_line(buf, request_line_start, limits) {
+        ControlFlow::Continue(at) => at,
+        ControlFlow::Break(scan) => return scan,
+    };
+    scan_header_lines(buf, headers_start, limits)
+}
+
+/// Step 1 of [`scan_head`]: at most [`LEADING_EMPTY_LINES_MAX`] empty lines; continues at the
+/// request line.
+fn skip_leading_empty_lines(buf: &[u8]) -> ControlFlow<HeadScan, usize> {
     let mut line_start = 0;
     let mut empty_lines = 0;
-    // Leading empty lines.
     loop {
         match find_line_end(&buf[line_start..]) {
             LineEnd::Found { len: 0 } => {
                 empty_lines += 1;
                 if empty_lines > LEADING_EMPTY_LINES_MAX {
-                    return HeadScan::Reject(Rejection::MalformedRequestLine);
+                    return reject(Rejection::MalformedRequestLine);
                 }
                 line_start += 2;
             }
-            LineEnd::Invalid => return HeadScan::Reject(Rejection::InvalidLineEnding),
+            LineEnd::Invalid => return reject(Rejection::InvalidLineEnding),
             LineEnd::Partial if buf.len() - line_start <= 1 => {
                 // Nothing, or a lone CR that may be the start of one more empty line.
-                return HeadScan::Incomplete;
+                return ControlFlow::Break(HeadScan::Incomplete);
             }
-            _ => break,
+            _ => return ControlFlow::Continue(line_start),
         }
     }
-    // The request line.
+}
+
+/// Step 2 of [`scan_head`]: the request line at `line_start`, within its limit (also while
+/// it is still arriving), with room left for the blank line; continues at the first header
+/// line.
+fn scan_request_line(
+    buf: &[u8],
+    line_start: usize,
+    limits: &Limits,
+) -> ControlFlow<HeadScan, usize> {
     let request_line_len = match find_line_end(&buf[line_start..]) {
         LineEnd::Found { len } => len,
-        LineEnd::Invalid => return HeadScan::Reject(Rejection::InvalidLineEnding),
-        LineEnd::Control { .. } => return HeadScan::Reject(Rejection::MalformedRequestLine),
+        LineEnd::Invalid => return reject(Rejection::InvalidLineEnding),
+        LineEnd::Control { .. } => return reject(Rejection::MalformedRequestLine),
         LineEnd::Partial => {
             let partial = strip_trailing_cr(&buf[line_start..]);
             if partial.len() > limits.request_line_bytes_max {
-                return HeadScan::Reject(Rejection::RequestLineTooLong);
+                return reject(Rejection::RequestLineTooLong);
             }
-            return HeadScan::Incomplete;
+            return ControlFlow::Break(HeadScan::Incomplete);
         }
     };
     if request_line_len > limits.request_line_bytes_max {
-        return HeadScan::Reject(Rejection::RequestLineTooLong);
+        return reject(Rejection::RequestLineTooLong);
     }
     if request_line_len == 0 {
-        return HeadScan::Reject(Rejection::MalformedRequestLine);
+        return reject(Rejection::MalformedRequestLine);
     }
-    line_start += request_line_len + 2;
+    let next = line_start + request_line_len + 2;
     // The head needs at least the blank line (2 bytes) more.
-    if line_start + 2 > limits.header_section_bytes_max {
-        return HeadScan::Reject(Rejection::HeaderSectionTooLarge);
+    if next + 2 > limits.header_section_bytes_max {
+        return reject(Rejection::HeaderSectionTooLarge);
     }
-    // Header lines, then the blank line.
+    ControlFlow::Continue(next)
+}
+
+/// Step 3 of [`scan_head`]: header lines from `line_start` up to the blank line, each checked
+/// and counted, the head kept within its limit.
+fn scan_header_lines(buf: &[u8], mut line_start: usize, limits: &Limits) -> HeadScan {
     let mut header_lines = 0;
     loop {
         let rest = &buf[line_start..];
@@ -420,33 +352,44 @@ fn scan_head(buf: &[u8], limits: &Limits) -> HeadScan {
                 }
             }
             LineEnd::Invalid => return HeadScan::Reject(Rejection::InvalidLineEnding),
-            LineEnd::Control { at } => {
-                let line = &rest[..at];
-                let rejection = check_header_line(line).unwrap_or(if line.contains(&b':') {
-                    Rejection::InvalidHeaderValue
-                } else {
-                    Rejection::InvalidHeaderName
-                });
-                return HeadScan::Reject(rejection);
-            }
-            LineEnd::Partial => {
-                let partial = strip_trailing_cr(rest);
-                if !partial.is_empty() {
-                    if let Some(rejection) = check_header_line(partial) {
-                        return HeadScan::Reject(rejection);
-                    }
-                    if header_lines + 1 > limits.headers_max {
-                        return HeadScan::Reject(Rejection::TooManyHeaders);
-                    }
-                }
-                // The head is at least everything received plus the missing line end.
-                if buf.len() >= limits.header_section_bytes_max {
-                    return HeadScan::Reject(Rejection::HeaderSectionTooLarge);
-                }
-                return HeadScan::Incomplete;
-            }
+            LineEnd::Control { at } => return HeadScan::Reject(control_in_header(&rest[..at])),
+            LineEnd::Partial => return partial_header_line(buf, rest, header_lines, limits),
         }
     }
+}
+
+/// Why a header line holding a control character (before `line`'s end) is refused: what its
+/// text so far already breaks, else a bad value after a colon or a bad name without one.
+fn control_in_header(line: &[u8]) -> Rejection {
+    check_header_line(line).unwrap_or(if line.contains(&b':') {
+        Rejection::InvalidHeaderValue
+    } else {
+        Rejection::InvalidHeaderName
+    })
+}
+
+/// The header line still arriving (`rest`, after `header_lines` complete ones): refused as
+/// soon as its text or the count breaks a rule, or the head cannot fit any more.
+fn partial_header_line(buf: &[u8], rest: &[u8], header_lines: usize, limits: &Limits) -> HeadScan {
+    let partial = strip_trailing_cr(rest);
+    if !partial.is_empty() {
+        if let Some(rejection) = check_header_line(partial) {
+            return HeadScan::Reject(rejection);
+        }
+        if header_lines + 1 > limits.headers_max {
+            return HeadScan::Reject(Rejection::TooManyHeaders);
+        }
+    }
+    // The head is at least everything received plus the missing line end.
+    if buf.len() >= limits.header_section_bytes_max {
+        return HeadScan::Reject(Rejection::HeaderSectionTooLarge);
+    }
+    HeadScan::Incomplete
+}
+
+/// A step of [`scan_head`] that ends the scan with `rejection`.
+fn reject<T>(rejection: Rejection) -> ControlFlow<HeadScan, T> {
+    ControlFlow::Break(HeadScan::Reject(rejection))
 }
 
 fn strip_trailing_cr(bytes: &[u8]) -> &[u8] {
@@ -1508,24 +1451,6 @@ mod tests {
             assert_eq!(rejected(buf), variant);
             assert!(variant.close_connection());
             assert!(matches!(variant.status(), 400 | 413 | 414 | 431 | 501 | 505));
-        }
-    }
-
-    #[test]
-    fn limits_validation() {
-        assert_eq!(Limits::default(), Limits::DEFAULT);
-        assert_eq!(Limits::DEFAULT.validate(), Ok(()));
-        assert_eq!(Limits::DEFAULT.request_bytes_max(), 16384 + 2 * 4096 + 256);
-        let bad = [
-            Limits { request_line_bytes_max: 0, ..Limits::DEFAULT },
-            Limits { request_line_bytes_max: 16385, ..Limits::DEFAULT },
-            Limits { headers_max: 0, ..Limits::DEFAULT },
-            Limits { headers_max: HEADER_SLOTS + 1, ..Limits::DEFAULT },
-            Limits { body_bytes_max: BODY_BYTES_MAX_CEILING + 1, ..Limits::DEFAULT },
-            Limits { pipeline_depth_max: 0, ..Limits::DEFAULT },
-        ];
-        for limits in bad {
-            assert!(limits.validate().is_err(), "{limits:?}");
         }
     }
 

@@ -4,7 +4,8 @@
 
 use proptest::prelude::*;
 
-use super::parse::{parse_request, Limits, Parsed};
+use super::limits::Limits;
+use super::parse::{parse_request, Parsed};
 
 const LIMITS: Limits = Limits::DEFAULT;
 

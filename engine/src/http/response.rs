@@ -11,7 +11,7 @@
 
 use bytes::BytesMut;
 
-use super::json::JsonObject;
+use super::json::{write_u64, JsonObject};
 use super::parse::{Request, Version};
 use super::rejection::Rejection;
 
@@ -286,11 +286,6 @@ fn is_safe_header_value(value: &str) -> bool {
     value.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
 }
 
-/// Decimal digits of `value`, formatted on the stack.
-pub(super) fn write_u64(out: &mut BytesMut, value: u64) {
-    out.extend_from_slice(flashsale_io::resp::U64Text::new(value).as_bytes());
-}
-
 /// The flat body of a reservation or query answer (CONTRACT.md sections 3.2 and 3.3):
 /// fields in a fixed order, absent when `None` (and `replayed` absent when false).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -324,7 +319,8 @@ impl StateBody<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::parse::{parse_request, Limits, Parsed};
+    use crate::http::limits::Limits;
+    use crate::http::parse::{parse_request, Parsed};
 
     fn text(out: &BytesMut) -> &str {
         std::str::from_utf8(out).expect("responses are ASCII")

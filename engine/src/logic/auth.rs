@@ -38,10 +38,10 @@ use std::fmt;
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
+use flashsale_io::key::{HmacKey, KeyError, KEY_LEN_MAX, KEY_LEN_MIN};
+use flashsale_io::resp::U64Text;
 
 use crate::logic::ids::{parse_decimal_u64, ActivityId, UserId};
-use crate::logic::key::{HmacKey, KeyError, KEY_LEN_MAX, KEY_LEN_MIN};
-use flashsale_io::resp::U64Text;
 
 /// The development key installed by `serve --insecure-dev-auth` (kid `dev`). Public by
 /// design: anyone can mint passes with it, so it is only for local runs and tests.
@@ -373,7 +373,7 @@ fn decode_sig(sig_b64: &[u8]) -> Option<[u8; SIG_LEN]> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::logic::key::HmacSha256;
+    use flashsale_io::key::HmacSha256;
     use hmac::Mac;
     use proptest::prelude::*;
 

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Who served a SKU when last seen.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -160,6 +160,17 @@ impl EdgeMetrics {
     /// Prometheus text exposition of the merged counters.
     pub fn render(&self, out: &mut String) {
         self.render_requests(out);
+        self.render_counters(out);
+        self.render_labelled_counters(out);
+        self.render_pending_and_circuits(out);
+        self.render_admission_rejections(out);
+        self.render_histogram(out, "flashsale_request_latency_seconds", |s| &s.request_latency);
+        self.render_histogram(out, "flashsale_lua_latency_seconds", |s| &s.lua_latency);
+        ReconcileMetrics::render(self.shards.iter().map(|s| &s.reconcile), out);
+    }
+
+    /// The unlabelled counters and gauges, each summed over the shards.
+    fn render_counters(&self, out: &mut String) {
         let counters: [(&str, Field); 16] = [
             ("flashsale_republished_total", |s| &s.republished),
             ("flashsale_stuck_reservations_total", |s| &s.stuck_reservations),
@@ -184,6 +195,11 @@ impl EdgeMetrics {
             let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
             let _ = writeln!(out, "# TYPE {name} {kind}\n{name} {}", self.sum(field));
         }
+    }
+
+    /// The counters with one closed label: publish outcomes, connection timeouts by phase,
+    /// refused PROXY headers by reason.
+    fn render_labelled_counters(&self, out: &mut String) {
         self.render_labelled(
             out,
             "flashsale_publish_total",
@@ -215,6 +231,11 @@ impl EdgeMetrics {
                 ("untrusted", |s| &s.proxy_refused_untrusted),
             ],
         );
+    }
+
+    /// The oldest pending reservation (the worst shard's) and each dependency's circuit (the
+    /// worst shard's state).
+    fn render_pending_and_circuits(&self, out: &mut String) {
         let oldest_ms = self
             .shards
             .iter()
@@ -236,15 +257,15 @@ impl EdgeMetrics {
                 self.shards.iter().map(|s| field(s).load(Ordering::Relaxed)).max().unwrap_or(0);
             let _ = writeln!(out, "flashsale_circuit_state{{dependency=\"{dependency}\"}} {worst}");
         }
+    }
+
+    fn render_admission_rejections(&self, out: &mut String) {
         let _ = writeln!(out, "# TYPE flashsale_admission_rejections_total counter");
         for (i, reason) in REJECT_REASONS.iter().enumerate() {
             let v = self.sum(|s| &s.admission_rejected[i]);
             let _ =
                 writeln!(out, "flashsale_admission_rejections_total{{reason=\"{reason}\"}} {v}");
         }
-        self.render_histogram(out, "flashsale_request_latency_seconds", |s| &s.request_latency);
-        self.render_histogram(out, "flashsale_lua_latency_seconds", |s| &s.lua_latency);
-        ReconcileMetrics::render(self.shards.iter().map(|s| &s.reconcile), out);
     }
 
     /// `flashsale_requests_total`, a line per route and answered state.

@@ -2,6 +2,11 @@
 //! means, decided with no sockets, no runtime and no clock (time is an argument). Nothing here
 //! imports glommio, tokio or `flashsale_io`'s connections; the layers above (`durable`,
 //! `shard`, `app`) do the I/O around these calls.
+//!
+//! Two things the edge decides with are pure types of `flashsale_io`, imported from there
+//! directly because the worker uses them too: THE prepared HMAC key (`flashsale_io::key`:
+//! user passes, the control key, the payment key) and the payment provider's signature
+//! scheme (`flashsale_io::payment`).
 
 pub mod admission;
 pub mod api;
@@ -10,14 +15,12 @@ pub mod circuit;
 pub mod clock;
 pub mod failover;
 pub mod ids;
-pub mod key;
 pub mod limiter;
 pub mod metrics;
 pub mod modes;
 pub mod outcome;
 pub mod overload;
 pub mod partition;
-pub mod payment;
+pub mod placement;
 pub mod reconcile;
-pub mod router;
 pub mod submit;

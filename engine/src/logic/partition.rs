@@ -28,13 +28,18 @@
 //! of the SKU from Redis ([`SkuPartition::replay_load_due`], `shard/replays.rs`), and until
 //! [`SkuPartition::on_replays_loaded`] completes it, a request id unknown here goes to Redis
 //! (which answers `IDEMPOTENT` or `SOLD_OUT`) instead of being answered `SOLD_OUT` locally.
+//!
+//! Release assertions guard what this state promises: the accepted map never passes its bound,
+//! a permit is never returned twice, revisions only grow, and a request the partition holds as
+//! accepted is never handed to Redis to be accepted again (`assert_not_accepted_twice`, which
+//! also says what it deliberately leaves to Redis and PostgreSQL).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use flashsale_io::redis::layout::ActivityStatus;
 
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// What the owner knows of the activity; refreshed from Redis/PostgreSQL by the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,6 +222,9 @@ pub struct SkuPartition {
     /// SKU's request records is merged.
     replays_complete: bool,
     replays_loading: bool,
+    /// Test-only: forget the replay lookup, to prove `assert_not_accepted_twice` fires.
+    #[cfg(test)]
+    skip_replay_lookup: bool,
 }
 
 impl SkuPartition {
@@ -236,6 +244,8 @@ impl SkuPartition {
             failover_since_ms: None,
             replays_complete: false,
             replays_loading: false,
+            #[cfg(test)]
+            skip_replay_lookup: false,
         }
     }
 
@@ -275,7 +285,7 @@ impl SkuPartition {
         payload_hash: &str,
         now_ms: u64,
     ) -> SubmitPlan {
-        if let Some(entry) = self.accepted.get(&user_id).filter(|e| &*e.request_id == request_id) {
+        if let Some(entry) = self.replayable(user_id, request_id) {
             return if &*entry.payload_hash == payload_hash {
                 SubmitPlan::Replay(entry.clone())
             } else {
@@ -296,9 +306,48 @@ impl SkuPartition {
         if self.in_flight >= self.limits.in_flight_max || self.bucket_tokens_milli < 1000 {
             return SubmitPlan::Overloaded { retry_after_ms: self.limits.overloaded_retry_ms };
         }
+        self.assert_not_accepted_twice(user_id, request_id);
         self.bucket_tokens_milli -= 1000;
         self.in_flight += 1;
         SubmitPlan::CallRedis(Permit { _private: () })
+    }
+
+    /// The buyer's accepted entry, when it is for this request id: a retry, answered from memory.
+    fn replayable(&self, user_id: u64, request_id: &str) -> Option<&Accepted> {
+        #[cfg(test)]
+        if self.skip_replay_lookup {
+            return None;
+        }
+        self.accepted.get(&user_id).filter(|e| &*e.request_id == request_id)
+    }
+
+    /// One per buyer, where this partition keeps it (DESIGN.md section 8, invariant 2): a
+    /// request of a buyer this partition already holds an accepted reservation for (a retry:
+    /// same buyer, same request id) is answered from memory ([`SubmitPlan::Replay`], or
+    /// [`SubmitPlan::Conflict`] for another payload) and never handed to Redis to be accepted a
+    /// second time: `begin` would mint a second reservation id for it, and if Redis no longer
+    /// knew the first (a failover that lost it), the buyer would hold two reservations. Kept in
+    /// release; one map lookup on the way to a Redis call.
+    ///
+    /// Deliberately not asserted: another request id of a held buyer goes to Redis, and may be
+    /// accepted with a reservation of its own. That is legitimate once the buyer's earlier
+    /// reservation was compensated and the buyer released (`compensate` in `lua/seckill.lua`;
+    /// `tests/tests/stuck_dlq.rs`: "a buyer whose reservation was compensated may buy again"),
+    /// and nobody tells the partition of compensations: Redis' user marker answers
+    /// `DUPLICATE_USER` while the first one lives, PostgreSQL's `UNIQUE (activity_id, sku_id,
+    /// user_id)` holds whatever Redis said, and the reconcile report's `one_per_buyer` delta
+    /// audits both.
+    fn assert_not_accepted_twice(&self, user_id: u64, request_id: &str) {
+        if let Some(held) = self.accepted.get(&user_id) {
+            assert!(
+                &*held.request_id != request_id,
+                "one per buyer broken: SKU {}:{} hands request {request_id} of buyer {user_id} \
+                 to Redis again, though it already holds reservation {} for it",
+                self.key.activity_id,
+                self.key.sku_id,
+                held.reservation_id,
+            );
+        }
     }
 
     fn refill(&mut self, now_ms: u64) {
@@ -597,6 +646,52 @@ mod tests {
         assert_eq!((a.accepted_len(), b.accepted_len(), budget.left()), (2, 1, 0));
         // Past the budget the request is not remembered: its replay goes to Redis.
         assert!(matches!(b.plan_submit(uid("b2"), "b2", "h", 0), SubmitPlan::CallRedis(_)));
+    }
+
+    /// A retry of an accepted request that got past the replay lookup (here through the
+    /// test-only hook that skips it, as a reordering of `plan_submit` could) stops the shard.
+    #[test]
+    #[should_panic(expected = "one per buyer broken: SKU 10001:20001 hands request first of \
+                               buyer 42 to Redis again, though it already holds reservation \
+                               resv_1 for it")]
+    fn an_accepted_request_handed_to_redis_again_panics() {
+        let buyer = 42;
+        let mut p = SkuPartition::new(key(), limits(), 0);
+        let SubmitPlan::CallRedis(first) = p.plan_submit(buyer, "first", "h", 0) else {
+            panic!("the first request goes to Redis")
+        };
+        let seen = ReserveSeen::Accepted(accepted_as("first", 1, "h"));
+        let _ = p.on_reserve(first, buyer, seen, &mut AcceptedBudget::unlimited());
+        assert_eq!(
+            p.plan_submit(buyer, "first", "h", 1),
+            SubmitPlan::Replay(accepted_as("first", 1, "h"))
+        );
+        p.skip_replay_lookup = true;
+        let _ = p.plan_submit(buyer, "first", "h", 2);
+    }
+
+    /// What the assertion leaves alone: two copies of one request sent before the first answer
+    /// came back (`CREATED`, then `IDEMPOTENT`), and the buyer back after a compensation with a
+    /// new request and a reservation of its own.
+    #[test]
+    fn a_buyer_released_by_a_compensation_may_be_accepted_again() {
+        let buyer = 42;
+        let mut p = SkuPartition::new(key(), limits(), 0);
+        let mut budget = AcceptedBudget::unlimited();
+        let plan = |p: &mut SkuPartition, id: &str| match p.plan_submit(buyer, id, "h", 0) {
+            SubmitPlan::CallRedis(permit) => permit,
+            other => panic!("expected CallRedis, got {other:?}"),
+        };
+        let (copy_a, copy_b) = (plan(&mut p, "first"), plan(&mut p, "first"));
+        let seen = || ReserveSeen::Accepted(accepted_as("first", 1, "h"));
+        assert!(p.on_reserve(copy_a, buyer, seen(), &mut budget).is_none());
+        assert!(p.on_reserve(copy_b, buyer, seen(), &mut budget).is_none());
+        let again = plan(&mut p, "again");
+        let seen = ReserveSeen::Accepted(accepted_as("again", 2, "h"));
+        assert!(p.on_reserve(again, buyer, seen, &mut budget).is_none());
+        let replay = SubmitPlan::Replay(accepted_as("again", 2, "h"));
+        assert_eq!(p.plan_submit(buyer, "again", "h", 0), replay);
+        assert_eq!(p.accepted_len(), 1);
     }
 
     #[test]

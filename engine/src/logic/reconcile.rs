@@ -23,7 +23,8 @@
 //!
 //! The verdict ([`judge`]) is sans-I/O and unit-tested below. Deltas (each the sum of the
 //! absolute values of its parts; `ok` needs every one at 0, no problem, no PostgreSQL
-//! violation):
+//! violation, and a release assertion in `record_verdict` stops the process rather than report
+//! `ok` over a non-zero delta or part):
 //!
 //! - `no_oversell` (I1), `one_per_buyer` (I2), `token_conservation` (I3), `ack_after_commit`
 //!   (I7), `idempotency` (I6): PostgreSQL's findings (the audit's counts and row sets), plus
@@ -50,7 +51,7 @@ use flashsale_pg_worker::compensation::RejectionCompensation;
 use flashsale_pg_worker::reconcile::{IdSample, PgReconcile, PgReservation};
 use serde::Serialize;
 
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Settings of the report and of the periodic job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +181,37 @@ pub const DELTA_KINDS: [&str; 7] = [
 ];
 
 impl Deltas {
+    /// Each delta with its `kind` label, in [`DELTA_KINDS`] order.
+    fn named(&self) -> [(&'static str, &Delta); 7] {
+        let [a, b, c, d, e, f, g] = DELTA_KINDS;
+        [
+            (a, &self.no_oversell),
+            (b, &self.one_per_buyer),
+            (c, &self.token_conservation),
+            (d, &self.nothing_lost),
+            (e, &self.redis_conservation),
+            (f, &self.idempotency),
+            (g, &self.ack_after_commit),
+        ]
+    }
+
+    /// Every delta at 0, by its value and by each of its parts.
+    fn all_zero(&self) -> bool {
+        self.named().iter().all(|(_, d)| d.value == 0 && d.parts.values().all(|v| *v == 0))
+    }
+
+    /// The non-zero deltas with their parts and ids, for a panic message.
+    fn describe_non_zero(&self) -> String {
+        let non_zero = self
+            .named()
+            .into_iter()
+            .filter(|(_, d)| d.value != 0 || d.parts.values().any(|v| *v != 0));
+        let described: Vec<String> = non_zero
+            .map(|(kind, d)| format!("{kind} = {} (parts {:?}, ids {:?})", d.value, d.parts, d.ids))
+            .collect();
+        described.join("; ")
+    }
+
     pub fn values(&self) -> [u64; 7] {
         [
             self.no_oversell.value,
@@ -405,72 +437,18 @@ fn cross_check<'a>(
     params: &JudgeParams,
     release_returns_stock: bool,
 ) -> CrossCheck<'a> {
+    let sides = Sides { pg, redis, params: *params, release_returns_stock };
     let mut c = CrossCheck::default();
-    let young = |at_ms: Option<u64>| {
-        at_ms.is_some_and(|at| params.now_ms < at.saturating_add(params.recovery_deadline_ms))
-    };
     let mut place_holders: HashMap<u64, Vec<&str>> = HashMap::new();
     for (id, r) in &redis.records {
         let id = id.as_str();
         let Some(status) = r.status.as_deref() else { continue };
-        let returned = match redis.comp_markers.get(id).map(|reason| returns_stock(reason)) {
-            Some(Some(returned)) => returned,
-            Some(None) => {
-                c.comp_unknown_reason.push(id);
-                false
-            }
-            None => false,
-        };
         if HOLDING_PLACE.contains(&status) {
             if let Some(user) = r.user_id {
                 place_holders.entry(user).or_default().push(id);
             }
         }
-        let redis_final = FINAL_REDIS.contains(&status);
-        let p = pg.get(id).copied().filter(|p| pg_final(&p.status));
-        match p {
-            Some(p) => {
-                let mismatch = match (status, p.status.as_str()) {
-                    ("ORDER_CREATED", "ORDER_CREATED") => r.order_id != p.order_id,
-                    ("ORDER_CREATED", _) => true,
-                    // A cancelled order's reservation is COMPENSATED; a live one must not be.
-                    ("FAILED" | "COMPENSATED", "ORDER_CREATED") => p.order_live(),
-                    _ => false,
-                };
-                if mismatch {
-                    c.outcome_mismatch.push(id);
-                } else if !redis_final {
-                    if r.in_stuck && !r.in_pending {
-                        c.stuck.push(id);
-                    } else if r.in_pending && young(r.reserved_at_ms) {
-                        c.in_flight.push(id);
-                    } else {
-                        c.outcome_not_applied.push(id);
-                    }
-                }
-                // PostgreSQL gave the unit back: Redis must get it back once.
-                let should_return = match RejectReason::from_reservation_status(&p.status) {
-                    Some(reason) => reason.compensation().return_stock,
-                    None => p.order_status.is_some() && !p.order_live() && release_returns_stock,
-                };
-                if should_return && !returned {
-                    let since = if p.status == "ORDER_CREATED" {
-                        p.order_updated_at_ms.and_then(|v| u64::try_from(v).ok())
-                    } else {
-                        r.reserved_at_ms
-                    };
-                    if young(since) {
-                        c.repair_in_flight.push(id);
-                    } else {
-                        c.repair_overdue.push(id);
-                    }
-                }
-            }
-            None if redis_final => c.redis_outcome_without_pg.push(id),
-            None if r.in_stuck && !r.in_pending => c.stuck.push(id),
-            None if r.in_pending && young(r.reserved_at_ms) => c.in_flight.push(id),
-            None => c.lost.push(id),
-        }
+        c.record(&sides, id, r, status);
     }
     for ids in place_holders.into_values().filter(|ids| ids.len() > 1) {
         for id in ids {
@@ -488,6 +466,110 @@ fn cross_check<'a>(
         }
     }
     c
+}
+
+/// What one cross-check compares: PostgreSQL's reservations by id, the Redis read, the time
+/// and the activity's release policy.
+struct Sides<'a> {
+    pg: &'a HashMap<&'a str, &'a PgReservation>,
+    redis: &'a RedisSnapshot,
+    params: JudgeParams,
+    release_returns_stock: bool,
+}
+
+impl Sides<'_> {
+    /// Within the recovery deadline of `at_ms`: still in flight, not a gap.
+    fn young(&self, at_ms: Option<u64>) -> bool {
+        let deadline_ms = self.params.recovery_deadline_ms;
+        at_ms.is_some_and(|at| self.params.now_ms < at.saturating_add(deadline_ms))
+    }
+}
+
+impl<'a> CrossCheck<'a> {
+    /// One Redis record (with a status) against PostgreSQL's final row of its reservation.
+    fn record(&mut self, sides: &Sides<'a>, id: &'a str, r: &ReservationRecord, status: &str) {
+        let returned = self.stock_returned(sides.redis, id);
+        let redis_final = FINAL_REDIS.contains(&status);
+        match sides.pg.get(id).copied().filter(|p| pg_final(&p.status)) {
+            Some(p) => {
+                self.outcomes(sides, id, r, status, p);
+                self.repair(sides, id, r, p, returned);
+            }
+            None if redis_final => self.redis_outcome_without_pg.push(id),
+            None if r.in_stuck && !r.in_pending => self.stuck.push(id),
+            None if r.in_pending && sides.young(r.reserved_at_ms) => self.in_flight.push(id),
+            None => self.lost.push(id),
+        }
+    }
+
+    /// Whether the record's compensation marker says its unit went back to stock; a marker
+    /// with an unknown reason is listed, and counts as not returned.
+    fn stock_returned(&mut self, redis: &RedisSnapshot, id: &'a str) -> bool {
+        match redis.comp_markers.get(id).map(|reason| returns_stock(reason)) {
+            Some(Some(returned)) => returned,
+            Some(None) => {
+                self.comp_unknown_reason.push(id);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// PostgreSQL holds the final outcome: Redis must hold the same one, or be on its way to it.
+    fn outcomes(
+        &mut self,
+        sides: &Sides<'a>,
+        id: &'a str,
+        r: &ReservationRecord,
+        status: &str,
+        p: &PgReservation,
+    ) {
+        let mismatch = match (status, p.status.as_str()) {
+            ("ORDER_CREATED", "ORDER_CREATED") => r.order_id != p.order_id,
+            ("ORDER_CREATED", _) => true,
+            // A cancelled order's reservation is COMPENSATED; a live one must not be.
+            ("FAILED" | "COMPENSATED", "ORDER_CREATED") => p.order_live(),
+            _ => false,
+        };
+        if mismatch {
+            self.outcome_mismatch.push(id);
+        } else if !FINAL_REDIS.contains(&status) {
+            if r.in_stuck && !r.in_pending {
+                self.stuck.push(id);
+            } else if r.in_pending && sides.young(r.reserved_at_ms) {
+                self.in_flight.push(id);
+            } else {
+                self.outcome_not_applied.push(id);
+            }
+        }
+    }
+
+    /// PostgreSQL gave the unit back: Redis must get it back once.
+    fn repair(
+        &mut self,
+        sides: &Sides<'a>,
+        id: &'a str,
+        r: &ReservationRecord,
+        p: &PgReservation,
+        returned: bool,
+    ) {
+        let should_return = match RejectReason::from_reservation_status(&p.status) {
+            Some(reason) => reason.compensation().return_stock,
+            None => p.order_status.is_some() && !p.order_live() && sides.release_returns_stock,
+        };
+        if should_return && !returned {
+            let since = if p.status == "ORDER_CREATED" {
+                p.order_updated_at_ms.and_then(|v| u64::try_from(v).ok())
+            } else {
+                r.reserved_at_ms
+            };
+            if sides.young(since) {
+                self.repair_in_flight.push(id);
+            } else {
+                self.repair_overdue.push(id);
+            }
+        }
+    }
 }
 
 /// Units still held in Redis: records without a stock-returning compensation.
@@ -554,8 +636,32 @@ pub fn judge(
         judge_redis_alone(redis, initial, &mut report);
     }
     report.postgres = pg;
-    report.ok = report.problems.is_empty() && report.deltas.values().iter().all(|v| *v == 0);
+    let ok = verdict(&report);
+    record_verdict(&mut report, ok);
     report
+}
+
+/// `ok`: no problem, and every delta at 0.
+fn verdict(report: &Report) -> bool {
+    report.problems.is_empty() && report.deltas.values().iter().all(|v| *v == 0)
+}
+
+/// Records the verdict and keeps its promise (DESIGN.md section 8): `ok` is never reported
+/// with a non-zero delta. Checked against every part of every delta, not only the sums the
+/// verdict was drawn from, so a part that never reached its delta's value (a slip in
+/// `Delta::part` or in one of the judge steps) stops the report instead of hiding a gap behind
+/// `ok: true`. Kept in release: an `ok` report reopens a SKU closed by a Redis failover
+/// (`shard/failover.rs`), so a false one would sell on top of a gap; the check is a few dozen
+/// comparisons per report.
+fn record_verdict(report: &mut Report, ok: bool) {
+    report.ok = ok;
+    assert!(
+        !ok || report.deltas.all_zero(),
+        "reconcile verdict ok with a non-zero delta: activity {} sku {}: {}",
+        report.activity_id,
+        report.sku_id,
+        report.deltas.describe_non_zero(),
+    );
 }
 
 fn judge_postgres(pg: &PgReconcile, report: &mut Report) {
@@ -898,6 +1004,31 @@ mod tests {
         let legacy = two_released(true, "ORDER_CANCELLED");
         assert_eq!(legacy.deltas.redis_conservation.parts["comp_unknown_reason"], 2);
         assert!(!legacy.ok);
+    }
+
+    /// The verdict's promise, broken on purpose: `ok` recorded over the report of a gap.
+    #[test]
+    #[should_panic(expected = "reconcile verdict ok with a non-zero delta: activity 1 sku 2: \
+                               redis_conservation = 2")]
+    fn an_ok_verdict_over_a_gap_panics() {
+        let ids = ["r1", "r2", "r3"];
+        let mut r = redis(3, &ids);
+        r.records.remove("r2");
+        let mut report = run(pg(3, &ids), r);
+        record_verdict(&mut report, true);
+    }
+
+    /// A part that never reached its delta's value: the sums say ok, the parts do not.
+    #[test]
+    #[should_panic(expected = "reconcile verdict ok with a non-zero delta: activity 1 sku 2: \
+                               nothing_lost = 0 (parts {\"lost\": 1")]
+    fn a_part_missing_from_its_sum_panics() {
+        let ids = ["r1", "r2", "r3"];
+        let mut report = run(pg(3, &ids), redis(3, &ids));
+        report.deltas.nothing_lost.parts.insert("lost", 1);
+        let ok = verdict(&report);
+        assert!(ok, "the sums alone miss the part");
+        record_verdict(&mut report, ok);
     }
 
     #[test]

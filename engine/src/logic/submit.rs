@@ -39,7 +39,7 @@ use crate::logic::partition::{
     Accepted, AcceptedBudget, AcceptedState, ActivitySnapshot, PartitionLimits, Permit,
     ReplicaUpdate, ReserveSeen, SkuPartition, SubmitPlan,
 };
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// An answer to a submit, ready to be written (and `Send`, to cross the mesh).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -304,45 +304,17 @@ impl OwnerState {
         outside: &Outside,
         now_ms: u64,
     ) -> Begin {
+        let failover_retry_ms = self.limits.budgets.dependency_retry_ms;
         let (partition, tracked) = self.partition(request.key, now_ms);
-        let permit = match partition.plan_submit(
-            request.user_id.0,
-            request.request_id,
-            request.payload_hash.as_str(),
-            now_ms,
-        ) {
-            SubmitPlan::CallRedis(permit) => permit,
-            SubmitPlan::RedisFailover => {
-                let answer = SubmitAnswer {
-                    reason_code: Some(Cow::Borrowed(REDIS_FAILOVER)),
-                    ..SubmitAnswer::retry(
-                        SubmitOutcome::SubmitClosed,
-                        self.limits.budgets.dependency_retry_ms,
-                    )
-                };
-                return Begin::Answer { answer, admission_reject: Some(REDIS_FAILOVER) };
-            }
-            plan => return Begin::Answer { answer: plan_answer(plan), admission_reject: None },
+        let permit = match plan_permit(partition, request, failover_retry_ms, now_ms) {
+            Ok(permit) => permit,
+            Err((answer, admission_reject)) => return Begin::Answer { answer, admission_reject },
         };
         let key = partition.key();
         // The Redis circuit is consulted once: its answer is both admission's input and, when
         // everything admits, the call itself.
         let circuit = self.circuit(node).allow(now_ms);
-        let redis_state = match &circuit {
-            Admit::Reject { .. } => CircuitState::Open,
-            Admit::Call(call) if call.kind() == ProbeOrNormal::Probe => CircuitState::HalfOpen,
-            Admit::Call(_) => CircuitState::Closed,
-        };
-        let input = AdmissionInput {
-            mode: outside.mode,
-            redis: redis_state,
-            log_publish: outside.log_publish,
-            backlog: outside.backlog,
-            pg_outage_age_ms: outside.pg_outage_age_ms,
-            in_flight: self.in_flight,
-            in_flight_max: self.limits.in_flight_max,
-            draw: outside.draw,
-        };
+        let input = self.admission_input(outside, redis_state(&circuit));
         let decision = decide_submit(&input, &self.limits.budgets, now_ms);
         match (decision, circuit) {
             (Decision::Admit, Admit::Call(call)) => {
@@ -366,6 +338,20 @@ impl OwnerState {
                     admission_reject: decision_reason(decision),
                 }
             }
+        }
+    }
+
+    /// Admission's view of this shard and the world, with the Redis circuit's state.
+    fn admission_input(&self, outside: &Outside, redis: CircuitState) -> AdmissionInput {
+        AdmissionInput {
+            mode: outside.mode,
+            redis,
+            log_publish: outside.log_publish,
+            backlog: outside.backlog,
+            pg_outage_age_ms: outside.pg_outage_age_ms,
+            in_flight: self.in_flight,
+            in_flight_max: self.limits.in_flight_max,
+            draw: outside.draw,
         }
     }
 
@@ -572,6 +558,44 @@ fn decision_reason(decision: Decision) -> Option<&'static str> {
     match decision {
         Decision::Reject { reason, .. } => Some(reason),
         Decision::Admit => None,
+    }
+}
+
+/// Step 1's first decision, the partition's: a permit to call Redis, or the answer at once
+/// with its admission reason (replay, conflict, closed activity, sold out, the SKU's bound
+/// full, or its Redis node failed over: `SUBMIT_CLOSED` with `REDIS_FAILOVER`, retry after
+/// `failover_retry_ms`).
+fn plan_permit(
+    partition: &mut SkuPartition,
+    request: &SubmitRequest<'_>,
+    failover_retry_ms: u64,
+    now_ms: u64,
+) -> Result<Permit, (SubmitAnswer, Option<&'static str>)> {
+    let plan = partition.plan_submit(
+        request.user_id.0,
+        request.request_id,
+        request.payload_hash.as_str(),
+        now_ms,
+    );
+    match plan {
+        SubmitPlan::CallRedis(permit) => Ok(permit),
+        SubmitPlan::RedisFailover => {
+            let answer = SubmitAnswer {
+                reason_code: Some(Cow::Borrowed(REDIS_FAILOVER)),
+                ..SubmitAnswer::retry(SubmitOutcome::SubmitClosed, failover_retry_ms)
+            };
+            Err((answer, Some(REDIS_FAILOVER)))
+        }
+        plan => Err((plan_answer(plan), None)),
+    }
+}
+
+/// The Redis circuit's state as admission sees it, from what it said to this call.
+fn redis_state(circuit: &Admit) -> CircuitState {
+    match circuit {
+        Admit::Reject { .. } => CircuitState::Open,
+        Admit::Call(call) if call.kind() == ProbeOrNormal::Probe => CircuitState::HalfOpen,
+        Admit::Call(_) => CircuitState::Closed,
     }
 }
 

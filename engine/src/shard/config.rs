@@ -85,7 +85,7 @@ pub struct EdgeConfig {
     pub publish_circuit: crate::logic::circuit::CircuitConfig,
     pub redis_circuit: crate::logic::circuit::CircuitConfig,
     /// `FLASHSALE_PAYMENT_KEY`: verifies payment callbacks; `None` refuses them (503).
-    pub payment_key: Option<crate::logic::key::HmacKey>,
+    pub payment_key: Option<flashsale_io::key::HmacKey>,
     /// Retries of idempotent calls only (`mark_sent`, the query's Redis read and PostgreSQL
     /// fallback): bounded attempts within a time budget, full jitter.
     pub idempotent_retry: crate::logic::circuit::RetryPolicy,

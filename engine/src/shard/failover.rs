@@ -30,7 +30,7 @@ use super::state::Shard;
 use crate::logic::clock::now_ms;
 use crate::logic::failover::FailoverWatch;
 use crate::logic::modes::{Mode, Scope};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// How often masters are asked their `run_id`.
 const POLL_MS: u64 = 1_000;

@@ -14,7 +14,7 @@ use glommio::channels::channel_mesh::Senders;
 
 use crate::logic::api::PayloadHash;
 use crate::logic::partition::{ReplicaUpdate, SkuReplica};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::logic::submit::SubmitAnswer;
 
 /// Messages between shards. Everything in them is `Send`.

@@ -19,6 +19,7 @@
 //! a small fresh buffer rather than the shard's reused ones.
 
 use bytes::BytesMut;
+use flashsale_io::payment::Signed;
 use flashsale_pg_worker::payments::{self, CallbackOutcome, PaymentCallback, ReleaseOutcome};
 use serde::Deserialize;
 
@@ -31,7 +32,6 @@ use crate::http::json::JsonObject;
 use crate::http::{write_response, Method, Request, ResponseHead, Status};
 use crate::logic::clock::now_ms;
 use crate::logic::ids::ActivityId;
-use crate::logic::payment::Signed;
 
 /// Path prefix of the order routes.
 pub const ORDERS_PREFIX: &str = "/v1/orders/";

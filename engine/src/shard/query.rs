@@ -23,7 +23,7 @@ use crate::http::{Request, ResponseHead, StateBody, Status};
 use crate::logic::api;
 use crate::logic::clock::now_ms;
 use crate::logic::outcome::QueryOutcome;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// What a query touches: the limiters, this shard's Redis, the durable side (the PostgreSQL
 /// fallback) and the shared edge state (pass keys, configuration, metrics).

@@ -27,10 +27,10 @@ use super::state::Shard;
 use super::store::Store;
 use crate::http::Status;
 use crate::logic::clock::now_ms;
+use crate::logic::placement::SkuKey;
 use crate::logic::reconcile::{
     cross_check_ids, judge, JudgeParams, ReconcileConfig, RedisSnapshot, Report, DELTA_KINDS,
 };
-use crate::logic::router::SkuKey;
 
 /// Pending entries whose retry time is this far past count as overdue (the scanner re-scores
 /// every entry it claims, every `interval_ms`, so a healthy one leaves none this old).

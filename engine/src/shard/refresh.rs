@@ -66,7 +66,7 @@ async fn refresh_activities(shard: &Shard) {
 /// Re-reads the stock of each SKU a notice names, when this owner's flag says sold out.
 pub fn spawn_notices(
     shard: &Rc<Shard>,
-    mut rx: tokio::sync::mpsc::Receiver<crate::logic::router::SkuKey>,
+    mut rx: tokio::sync::mpsc::Receiver<crate::logic::placement::SkuKey>,
 ) {
     let shard = Rc::clone(shard);
     glommio::spawn_local(async move {

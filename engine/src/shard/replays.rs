@@ -20,7 +20,7 @@ use flashsale_io::redis::script::{RequestState, ScriptError, SkuKeys};
 use super::mesh::Mesh;
 use super::store::Store;
 use crate::logic::partition::{Accepted, AcceptedState};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::logic::submit::OwnerState;
 
 /// Records read at once (pipelined on the owner's Redis connection, far below its in-flight

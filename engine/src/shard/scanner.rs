@@ -25,7 +25,7 @@ use flashsale_io::wire::{OrderCreate, ReservationFacts};
 use super::publish::{publish_order, MsgIdentity, Origin};
 use super::state::Shard;
 use crate::logic::clock::now_ms;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 pub use super::config::ScannerConfig;
 

@@ -11,7 +11,7 @@ use super::config::EdgeConfig;
 use crate::durable::DurableHandle;
 use crate::logic::auth::PassKeys;
 use crate::logic::metrics::{EdgeMetrics, ShardMetrics};
-use crate::logic::router::PartitionTable;
+use crate::logic::placement::PartitionTable;
 
 /// What all shards share read-only (plus a few flags and the metrics).
 pub struct EdgeShared {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use flashsale_io::redis::script::{Functions, SkuKeys};
 
 use super::config::EdgeConfig;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Longest a shard tries to reach Redis at start (a dependency, like the log and PostgreSQL,
 /// that must answer once before the engine serves).

@@ -37,7 +37,7 @@ use crate::logic::limiter;
 use crate::logic::metrics::ShardMetrics;
 use crate::logic::outcome::SubmitOutcome;
 use crate::logic::partition::FastPath;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::logic::submit::{
     Begin, Outside, OwnerState, ReserveResult, SubmitAnswer, SubmitRequest,
 };

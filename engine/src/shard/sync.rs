@@ -24,7 +24,7 @@ use super::state::Shard;
 use crate::durable::sync::SyncRequest;
 use crate::durable::DurableRequest;
 use crate::logic::clock::now_ms;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Applies one event to Redis and the local flags.
 pub async fn apply(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(), ScriptError> {

@@ -23,7 +23,7 @@ use super::state::Shard;
 use super::store::Store;
 use super::submit::{self, SubmitDeps};
 use super::{failover, reconcile, refresh, scanner, sync};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 
 /// Longest a stopping shard waits for requests in flight (each is bounded by its own Redis
 /// and publish deadlines, well under this).

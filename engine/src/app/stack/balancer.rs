@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use super::{io_err, StackError};
+use super::error::{io_err, StackError};
 
 /// How long HAProxy gets to listen.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);

@@ -25,7 +25,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::{find_binary, free_port, io_err, process_matches, Kind, Server, StackError};
+use super::error::{io_err, StackError};
+use super::kind::{find_binary, Kind};
+use super::process::process_matches;
+use super::server::{free_port, jetstream_limits, spawn_command_and_wait, Server};
 
 /// Nodes of the cluster (JetStream's R3 needs three for a majority that survives one loss).
 pub const NODES: usize = 3;
@@ -171,15 +174,14 @@ impl NatsCluster {
         let mut command = Command::new(find_binary(Kind::Nats, "nats-server")?);
         command
             .arg("-c")
-            .arg(super::jetstream_limits(&node.dir)?)
+            .arg(jetstream_limits(&node.dir)?)
             .args(["-n", &node.name, "--cluster_name", CLUSTER_NAME])
             .args(["-a", "127.0.0.1", "-p", &node.ports.client.to_string()])
             .args(["--cluster", &format!("nats://127.0.0.1:{}", node.ports.cluster)])
             .args(["--routes", &routes.join(",")])
             .args(["-m", &node.ports.http.to_string(), "-js", "-sd"])
             .arg(node.dir.join("store"));
-        let server =
-            super::spawn_command_and_wait(Kind::Nats, &node.dir, node.ports.client, command)?;
+        let server = spawn_command_and_wait(Kind::Nats, &node.dir, node.ports.client, command)?;
         self.nodes[index].server = Some(server);
         Ok(())
     }

@@ -14,7 +14,7 @@
 //! [`PgStandbys::url`] is the libpq multi-host URL with `target_session_attrs=read-write`.
 //!
 //! SQL for set-up and drills goes through a tiny blocking simple-query client of its own
-//! (trust authentication on loopback only), like the readiness probe in `stack/mod.rs`: the
+//! (trust authentication on loopback only), like the readiness probe in `stack/server.rs`: the
 //! starters are synchronous and must not need an async runtime.
 //!
 //! What it is not: a failover manager. Nothing here promotes on its own; a drill (or an
@@ -30,11 +30,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::{
-    as_postgres_user, chown_tree, ensure_traversable, find_binary, init_postgres, io_err,
-    postgres_owner, process_alive, process_matches, process_state, signal_process, Kind, Server,
-    StackError,
+use super::error::{io_err, StackError};
+use super::kind::{find_binary, Kind};
+use super::pg_init::{
+    as_postgres_user, chown_tree, ensure_traversable, init_postgres, postgres_owner,
 };
+use super::process::{process_alive, process_matches, process_state, signal_process};
+use super::server::Server;
 
 /// The nodes: the first primary, then the two standbys (also their `application_name`s).
 pub const NODE_NAMES: [&str; 3] = ["pg0", "s1", "s2"];

@@ -27,7 +27,10 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use flashsale_io::resp::{self, Reply};
 
-use super::{find_binary, io_err, process_matches, spawn_and_wait_with, Kind, Server, StackError};
+use super::error::{io_err, StackError};
+use super::kind::{find_binary, Kind};
+use super::process::process_matches;
+use super::server::{free_port, spawn_and_wait_with, Server};
 
 /// 3 masters, each with one replica.
 pub const NODE_COUNT: usize = 6;
@@ -345,7 +348,7 @@ fn was_created(dir: &Path) -> bool {
 /// A free port below 55536 whose bus port (+10000) is free too.
 fn cluster_port() -> Result<u16, StackError> {
     for _ in 0..100 {
-        let port = super::free_port()?;
+        let port = free_port()?;
         if port < u16::MAX - BUS_PORT_OFFSET
             && TcpListener::bind(("127.0.0.1", port + BUS_PORT_OFFSET)).is_ok()
         {

@@ -1,7 +1,7 @@
 //! `flashsale stack up --topology standalone|cluster|ha` (CONTRACT.md section 1): which
 //! servers a stack runs per dependency.
 //!
-//! - `standalone`: one redis-server, PostgreSQL and nats-server (`super::up`).
+//! - `standalone`: one redis-server, PostgreSQL and nats-server (`super::standalone`).
 //! - `cluster`: a Redis Cluster of 3 masters + 3 replicas (`super::redis_cluster`), with
 //!   the single PostgreSQL and NATS; `DIR/env` names every Redis node as a seed.
 //! - `ha`: that Redis Cluster, a 3-node NATS JetStream cluster (`super::nats_cluster`) and a
@@ -9,16 +9,21 @@
 //!   (s1, s2)'` (`super::pg_standbys`); `DIR/env` holds the comma-separated seeds and the
 //!   multi-host PostgreSQL URL (`target_session_attrs=read-write`).
 //!
-//! `stack down` stops every server of every topology recorded under the directory
-//! ([`down_nodes`] is its hook for the multi-node ones).
+//! [`down`] stops every server of every topology recorded under the directory (the single
+//! ones, then the multi-node ones through [`down_nodes`]).
 
 use std::fs;
 use std::path::Path;
 
+use super::dir::{lock_dir, StackEnv};
+use super::error::{io_err, StackError};
+use super::kind::Kind;
 use super::nats_cluster::{self, NatsCluster};
 use super::pg_standbys::{self, PgStandbys};
+use super::process::process_matches;
 use super::redis_cluster::{self, RedisCluster};
-use super::{ensure_locked, io_err, lock_dir, Kind, Server, StackEnv, StackError};
+use super::server::Server;
+use super::standalone::{self, ensure_locked};
 
 /// Where the multi-node servers live under a stack directory.
 const REDIS_CLUSTER_DIR: &str = "redis-cluster";
@@ -54,7 +59,7 @@ impl Topology {
 /// Starts (or reuses) the stack of `topology` under `dir` and writes `dir/env`.
 pub fn up_with(dir: &Path, topology: Topology) -> Result<StackEnv, StackError> {
     match topology {
-        Topology::Standalone => super::up(dir),
+        Topology::Standalone => standalone::up(dir),
         Topology::Cluster => up_cluster(dir),
         Topology::Ha => up_ha(dir),
     }
@@ -127,8 +132,33 @@ pub fn running_servers(dir: &Path) -> Vec<Server> {
     servers
 }
 
-/// `stack down`'s hook: stops the multi-node servers recorded under `dir`.
-pub(super) fn down_nodes(dir: &Path) -> Result<Vec<&'static str>, StackError> {
+/// Stops every server recorded under `dir`; `purge` also deletes the data.
+pub fn down(dir: &Path, purge: bool) -> Result<Vec<&'static str>, StackError> {
+    let lock = lock_dir(dir)?;
+    let mut stopped = Vec::new();
+    for kind in Kind::ALL {
+        let sub = dir.join(kind.name());
+        let pid = fs::read_to_string(sub.join("pid")).ok().and_then(|p| p.trim().parse().ok());
+        let port = fs::read_to_string(sub.join("port")).ok().and_then(|p| p.trim().parse().ok());
+        if let (Some(pid), Some(port)) = (pid, port) {
+            let server = Server { kind, port, pid, dir: sub };
+            if process_matches(pid, kind, port) {
+                server.stop()?;
+                stopped.push(kind.name());
+            }
+        }
+    }
+    // Multi-node topologies (`stack up --topology ...`) keep their servers beside these.
+    stopped.extend(down_nodes(dir)?);
+    drop(lock);
+    if purge {
+        fs::remove_dir_all(dir).map_err(io_err(format!("remove {}", dir.display())))?;
+    }
+    Ok(stopped)
+}
+
+/// [`down`]'s second half: stops the multi-node servers recorded under `dir`.
+fn down_nodes(dir: &Path) -> Result<Vec<&'static str>, StackError> {
     let mut stopped = redis_cluster::down(&dir.join(REDIS_CLUSTER_DIR))?;
     if !nats_cluster::down(&dir.join(NATS_CLUSTER_DIR))?.is_empty() {
         stopped.push("nats-cluster");

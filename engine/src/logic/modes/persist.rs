@@ -2,9 +2,18 @@
 //! control plane's in `durable/control.rs`): every accepted snapshot with its scope's version
 //! and recovery flag, re-verified when read back; what does not verify closes its scope.
 
-use super::snapshot::verify_signature;
-use super::table::Entry;
-use super::*;
+use flashsale_io::key::HmacKey;
+use serde::{Deserialize, Serialize};
+
+use super::snapshot::{verify_signature, SignedSnapshot, SIGNED_JSON_LEN_MAX};
+use super::table::{Entry, ModeConfig, ModeTable};
+use super::types::{Mode, ModeError, Scope};
+
+/// Bytes of persisted text allowed per scope (an entry is a signed envelope plus its scope,
+/// version and flag).
+const PERSISTED_ENTRY_LEN_MAX: usize = SIGNED_JSON_LEN_MAX + 256;
+/// Version of the persisted format.
+const PERSISTED_FORMAT: u32 = 1;
 
 /// The persisted form: one entry per scope, sorted by scope.
 #[derive(Serialize, Deserialize)]

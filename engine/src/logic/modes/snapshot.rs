@@ -3,9 +3,29 @@
 //! `modes` module documentation, "Signed, one spelling" and the order of the checks, live
 //! here.
 
-use super::*;
-use crate::logic::key::HmacKey;
+use std::fmt::Write as _;
+
 use flashsale_io::bounds::MODE_VERSION_MAX;
+use flashsale_io::key::HmacKey;
+use serde::{Deserialize, Serialize};
+
+use super::types::{Mode, ModeError, Scope};
+
+/// Longest issuer name.
+pub const ISSUER_LEN_MAX: usize = 64;
+/// Longest canonical snapshot text: the fixed field names (~110 bytes), six decimals of at
+/// most 20 digits, the longest mode name and the issuer; 512 leaves room.
+pub const SNAPSHOT_TEXT_LEN_MAX: usize = 512;
+/// Longest signed envelope accepted by [`SignedSnapshot::from_json`] (also a fit for the admin
+/// body limit): the snapshot, 64 hex digits and whitespace a human may add.
+pub const SIGNED_JSON_LEN_MAX: usize = 4096;
+/// Domain separation: a MAC made for something else with the same key never verifies here.
+const MAC_DOMAIN: &[u8] = b"flashsale-mode-v1\n";
+/// Hex digits of an HMAC-SHA256 tag.
+const SIG_HEX_LEN: usize = 64;
+
+const _: () = assert!(SNAPSHOT_TEXT_LEN_MAX + SIG_HEX_LEN + 32 <= SIGNED_JSON_LEN_MAX);
+const _: () = assert!(ISSUER_LEN_MAX + 200 <= SNAPSHOT_TEXT_LEN_MAX);
 
 // ---------------------------------------------------------------------------------------------
 // Snapshots

@@ -3,10 +3,11 @@
 //! `modes` module documentation states them.
 
 use flashsale_io::bounds::MODE_VERSION_STEP_MAX;
+use flashsale_io::key::HmacKey;
 use std::collections::HashMap;
 
-use super::*;
-use crate::logic::key::HmacKey;
+use super::snapshot::{verify, ModeSnapshot, SignedSnapshot};
+use super::types::{Mode, ModeError, Scope};
 
 // ---------------------------------------------------------------------------------------------
 // The table

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::*;
+use flashsale_io::key::{HmacKey, KeyError};
 use proptest::prelude::*;
 
 const KEY_HEX: &str = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f";

@@ -17,7 +17,7 @@ use serde_json::json;
 
 use super::deps::AdminDeps;
 use crate::http::Status;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::shard::reply::{error, not_found};
 
 /// Defaults of CONTRACT.md section 4's optional fields.
@@ -151,10 +151,9 @@ async fn create_rows(
 ) -> Result<CreateActivity, (Status, String)> {
     let wait = Duration::from_millis(ADMIN_PG_WAIT_MS);
     let spec = spec.clone();
-    let create = deps
-        .shared
-        .durable
-        .pg(move |mut client| async move { activity_creation::create_activity(&mut client, &spec).await });
+    let create = deps.shared.durable.pg(move |mut client| async move {
+        activity_creation::create_activity(&mut client, &spec).await
+    });
     match glommio::timer::timeout(wait, async { Ok(create.await) }).await {
         Ok(Ok(outcome)) => Ok(outcome),
         Ok(Err(e)) => {
@@ -192,7 +191,9 @@ async fn activate(deps: &AdminDeps<'_>, spec: &ActivitySpec) -> Result<(), (Stat
     let marked = deps
         .shared
         .durable
-        .pg(move |client| async move { activity_creation::mark_activity_active(&client, activity_id).await })
+        .pg(move |client| async move {
+            activity_creation::mark_activity_active(&client, activity_id).await
+        })
         .await;
     marked.map_err(|_| error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE"))
 }

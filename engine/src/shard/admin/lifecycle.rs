@@ -30,7 +30,7 @@ use super::deps::AdminDeps;
 use crate::durable::DurableRequest;
 use crate::http::Status;
 use crate::logic::ids::{ActivityId, SkuId};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::shard::reply::error;
 
 const DEFAULT_ACTOR: &str = "admin";

@@ -22,7 +22,7 @@ use bytes::BytesMut;
 use crate::http::{write_response, ContentType, Method, Request, ResponseHead, Status};
 use crate::logic::auth::bearer_credential;
 use crate::logic::ids::{ActivityId, SkuId};
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::shard::reply::not_found;
 use crate::shard::request::RequestCtx;
 use crate::shard::shared::EdgeShared;

@@ -37,7 +37,7 @@ use tracing::Instrument as _;
 use super::deps::AdminDeps;
 use crate::http::Status;
 use crate::logic::clock::now_ms;
-use crate::logic::router::SkuKey;
+use crate::logic::placement::SkuKey;
 use crate::logic::submit::Published;
 use crate::shard::publish::{publish_order, MsgIdentity, Origin};
 use crate::shard::reply::error;

@@ -1,5 +1,5 @@
-//! Which shard owns a SKU: `partition = hash(activity_id, sku_id) mod 1024`, and a table
-//! mapping partitions to shards (DESIGN.md section 3.1).
+//! Placement: which shard owns a SKU. `partition = hash(activity_id, sku_id) mod 1024`, and a
+//! table mapping partitions to shards (DESIGN.md section 3.1).
 //!
 //! Routing is a pure function of the key and the table (Seastar/Redpanda habit): every shard
 //! holds a copy of the same [`PartitionTable`], so any core answers "who owns this SKU?"
@@ -7,7 +7,8 @@
 //! can be pinned to a shard of its own.
 //!
 //! Not here: the mesh that carries requests to the owner (`shard`), or the owner's state
-//! (`partition`).
+//! (`partition`). Nor the other two things called a router: the Redis router of `io::redis`
+//! (which node serves a key's slot) and the HTTP route table of the connection loop.
 
 use std::collections::HashMap;
 
