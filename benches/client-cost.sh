@@ -19,8 +19,12 @@
 #       headers and body once (no per-request Lua): the same request shape as the generator's
 #       (POST /v1/reservations, a bearer pass of a real pass's length, the JSON body).
 #     - flashsale-loadgen --threads 1 --pipeline 1 --retry off, open loop at $RATE req/s, or,
-#       when RATE is unset, at $RATE_FACTOR x the rate wrk achieved in the same round (a rate
-#       the server sustains, so the generator is measured doing its job, not queueing).
+#       when RATE is unset, at $RATE_FACTOR x the rate wrk achieved in the same round.
+#       RATE_FACTOR=0.9 (default): paced just below what the server sustains, the
+#       generator's job; the server then idles between requests, and on a VM every wake-up of
+#       an idle server (charged to the sender's send) and of the generator costs several µs,
+#       which a closed-loop wrk that keeps the server saturated never pays. RATE_FACTOR=1.3:
+#       more than the server takes, so both clients keep it saturated: like for like.
 #  4. CPU: utime + stime of the client's process from /proc/<pid>/stat, polled every 10 ms
 #     while it runs (the last reading is at most 10 ms before it exits: the same small
 #     under-count, at the idle tail, for both clients), divided by the requests answered
@@ -179,12 +183,13 @@ CPU_MODEL=$(lscpu | sed -n 's/^Model name:[[:space:]]*//p')
 printf '%s\n' "${ROWS[@]}" | jq -s \
     --arg date "$(date -u +%FT%TZ)" --arg cpu "$CPU_MODEL" --arg kernel "$(uname -r)" \
     --arg pin "$PIN" --arg loadgen "$LOADGEN" --argjson connections "$CONNECTIONS" \
-    --argjson duration_s "$DURATION_S" '
+    --argjson duration_s "$DURATION_S" --arg rate "${RATE:-}" --argjson rate_factor "$RATE_FACTOR" '
     def median: sort | if length == 0 then null elif length % 2 == 1 then .[length / 2 | floor]
         else (.[length / 2 - 1] + .[length / 2]) / 2 end;
     {date: $date, machine: {cpu: $cpu, kernel: $kernel},
      setup: {server: "flashsale-bare --shards 1", pinned: ($pin == "1"),
              connections: $connections, duration_s: $duration_s, pipeline: 1,
+             loadgen_rate: (if $rate == "" then "\($rate_factor) x the wrk rate" else $rate end),
              loadgen: $loadgen, wrk: "wrk -t1 (static Lua request)"},
      wrk_us_per_request_median: (map(.wrk.us_per_request) | median),
      loadgen_us_per_request_median: (map(.loadgen.us_per_request) | median),

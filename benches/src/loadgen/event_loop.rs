@@ -3,15 +3,28 @@
 //! event loop, plus the schedule.
 //!
 //! Why not tokio (as before 2026-12): the instrument must cost no more than wrk (issue 25
-//! item 5). Measured on this box, the tokio driver cost 25 µs of CPU per request against
-//! wrk's 15; its profile was a dispatcher thread waking every ~50 µs (nanosleep, 15% of the
-//! samples), a cross-thread wake-up (eventfd) per batch, a mutex per queue operation and
-//! per answer, and a timer and `Notify` future per connection per turn. Here one thread does
-//! everything: it sleeps in ONE `epoll_pwait2` until the next request is due or a socket has
-//! something, and that wait's nanosecond timeout is the schedule's clock (tokio's timer ticks
-//! in whole milliseconds, which put a 0.5-1 ms floor under every latency). No lock is taken
-//! per request, nothing is allocated per request (the request is copied from a
-//! [`SubmitTemplate`], the answer scanned in place), and a histogram record is a few adds.
+//! item 5). The tokio driver's profile was a dispatcher thread waking every ~50 µs
+//! (nanosleep, 15% of the samples), a cross-thread wake-up (eventfd) per batch, a mutex per
+//! queue operation and per answer, and a timer and `Notify` future per connection per turn.
+//! Here one thread does everything: it sleeps in ONE `epoll_pwait2` until the next request
+//! is due or a socket has something, and that wait's nanosecond timeout is the schedule's
+//! clock (tokio's timer ticks in whole milliseconds, which put a 0.5-1 ms floor under every
+//! latency). No lock is taken per request, nothing is allocated per request (the request is
+//! copied from a [`SubmitTemplate`], the answer scanned in place), and a histogram record is
+//! a few adds; per request it makes one `send`, one `recv` and a share of one wait (wrk: a
+//! `write`, a `read`, an `epoll_ctl` and a share of a wait).
+//!
+//! Measured (`benches/client-cost.sh`, results in `benches/results/client-cost-2026-12-02.json`,
+//! medians of 3 alternated rounds, µs of CPU per request, 64 connections, no pipelining):
+//! paced at 0.9× wrk's rate, tokio driver 20.7 vs wrk 13.1, this loop 14.6 vs wrk 12.9;
+//! offered 1.3× wrk's rate (the server saturated by both, like for like), tokio 20.1 vs
+//! 13.2, this loop 12.2 vs 12.5. What is left when paced is the kernel's, not ours: user
+//! space is under a tenth of the samples; the rest is `send` (which wakes an idle server and
+//! is charged to the sender) and the loop's own sleep and wake-up between requests, which
+//! cost several µs each on this VM (a bare `nanosleep` loop: ~12 µs of CPU per sleep) and
+//! which a closed-loop client that keeps the server saturated never pays. Waking on a
+//! coarser release grid (100-250 µs) cut the context switches by up to half but not the CPU
+//! measurably, so requests are released at their own due times.
 //!
 //! How it stays open-loop (unchanged): request `i` is released at `start + offset_ns(i)`
 //! whatever the server does, into a bounded queue; a connection with a free pipeline slot
