@@ -11,16 +11,20 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 
-use super::config::{default_run_id, ConfigError, LoadConfig, Progress, RetryPolicy};
+use super::config::{default_run_id, ConfigError, LoadConfig, Progress};
 use super::http::State;
+use super::retry::{self, RetryPolicy, SameId};
 use super::schedule::Profile;
 use super::search::SearchConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum RetryFlag {
-    /// Record UNKNOWN / OVERLOADED / SYSTEM_BUSY answers and move on.
+    /// Every answer is final: record it and move on.
     Off,
-    /// Re-send with the SAME request id after retry_after_ms, at most --retry-max times.
+    /// A "not now" answer (OVERLOADED, RATE_LIMITED, SUBMIT_CLOSED, SYSTEM_BUSY, UNKNOWN) is
+    /// re-sent with the SAME request id after the server's Retry-After / retry_after_ms
+    /// stretched by a uniform factor in [1, 1 + --retry-jitter-pct/100), at most --retry-max
+    /// times and never later than --retry-budget-ms after the first send.
     SameId,
 }
 
@@ -54,7 +58,8 @@ pub struct Args {
     /// Requests in flight per connection (1 = no pipelining).
     #[arg(long, default_value_t = 1)]
     pub pipeline: usize,
-    /// Threads of the generator (its tokio runtime).
+    /// Threads of the generator: event loops, each with its share of the connections and
+    /// of the schedule (at most --connections).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
     #[arg(long, default_value_t = 10_001)]
@@ -82,12 +87,21 @@ pub struct Args {
     /// request id (duplicate clicks).
     #[arg(long, default_value_t = 0.10)]
     pub duplicate_ratio: f64,
-    /// Retry policy for UNKNOWN / OVERLOADED / SYSTEM_BUSY answers.
+    /// Retry policy for "not now" answers (OVERLOADED, RATE_LIMITED, SUBMIT_CLOSED,
+    /// SYSTEM_BUSY, UNKNOWN).
     #[arg(long, value_enum, default_value_t = RetryFlag::SameId)]
     pub retry: RetryFlag,
-    /// Most retries of one request.
-    #[arg(long, default_value_t = 3)]
+    /// Most retries of one intent (a buyer's click), after its first send.
+    #[arg(long, default_value_t = retry::RETRY_MAX_DEFAULT)]
     pub retry_max: u32,
+    /// No retry starts later than this after the intent's first intended send (the buyer
+    /// gives up; his last answer is his final one).
+    #[arg(long, default_value_t = retry::RETRY_BUDGET_MS_DEFAULT)]
+    pub retry_budget_ms: u64,
+    /// Each retry waits the server's hint times a uniform factor in [1, 1 + this/100):
+    /// never earlier than asked, spread so that clients do not return in lock-step.
+    #[arg(long, default_value_t = retry::RETRY_JITTER_PCT_DEFAULT)]
+    pub retry_jitter_pct: u32,
     /// Seed of the schedule's users and duplicates (same seed, same plan).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -230,7 +244,11 @@ impl Args {
             duplicate_ratio: self.duplicate_ratio,
             retry: match self.retry {
                 RetryFlag::Off => RetryPolicy::Off,
-                RetryFlag::SameId => RetryPolicy::SameId { retry_max: self.retry_max },
+                RetryFlag::SameId => RetryPolicy::SameId(SameId {
+                    retry_max: self.retry_max,
+                    budget_ms: self.retry_budget_ms,
+                    jitter_pct: self.retry_jitter_pct,
+                }),
             },
             seed: self.seed,
             run_id: self.run_id.unwrap_or_else(default_run_id),
@@ -277,7 +295,24 @@ mod tests {
         let d = Args::try_parse_from(["flashsale-loadgen"]).unwrap().into_config();
         assert_eq!(d.profile, Profile::Constant { rate_per_s: 10_000 });
         assert_eq!((d.connections, d.duplicate_ratio), (256, 0.10));
-        assert_eq!(d.retry, RetryPolicy::SameId { retry_max: 3 });
+        assert_eq!(d.retry, RetryPolicy::SameId(SameId::DEFAULT));
+        let tuned = Args::try_parse_from([
+            "flashsale-loadgen",
+            "--retry-max",
+            "2",
+            "--retry-budget-ms",
+            "1500",
+            "--retry-jitter-pct",
+            "0",
+        ])
+        .unwrap()
+        .into_config();
+        assert_eq!(
+            tuned.retry,
+            RetryPolicy::SameId(SameId { retry_max: 2, budget_ms: 1_500, jitter_pct: 0 })
+        );
+        let wild = Args::try_parse_from(["flashsale-loadgen", "--retry-jitter-pct", "101"]);
+        assert!(wild.unwrap().into_config().validate().is_err());
         assert!(Args::try_parse_from(["flashsale-loadgen", "--rate", "x"]).is_err());
         let bad = Args::try_parse_from(["flashsale-loadgen", "--duration-s=-1"]).unwrap();
         assert!(bad.into_config().validate().is_err());

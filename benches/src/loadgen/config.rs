@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use flashsale_engine::logic::auth::PassKeys;
 
+use super::retry::{RetryPolicy, SameId};
 use super::schedule::Profile;
 
 /// Most connections opened at once (each is a socket and a task; the engine's per-shard
@@ -25,25 +26,9 @@ pub const TIMEOUT_MS_MAX: u64 = 30_000;
 pub const DURATION_MS_MAX: u64 = 3_600_000;
 /// Deepest send queue (requests due while every connection is busy).
 pub const QUEUE_MAX_MAX: usize = 10_000_000;
-/// Most retries of one request.
-pub const RETRY_MAX_MAX: u32 = 10;
-/// Longest `retry_after_ms` honoured; a longer hint is capped (the run would otherwise wait
-/// on one answer for longer than it lasts).
-pub const RETRY_AFTER_MS_MAX: u64 = 5_000;
-/// Delay before a retry when the answer carried no `retry_after_ms`.
-pub const RETRY_AFTER_MS_DEFAULT: u64 = 100;
 /// Longest prefix of request ids (`{run_id}-{seq}` must stay within 64 characters with a
 /// 20-digit sequence number).
 pub const RUN_ID_LEN_MAX: usize = 43;
-
-/// What to do with an answer worth retrying (UNKNOWN, OVERLOADED, SYSTEM_BUSY).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RetryPolicy {
-    /// Record the answer and move on.
-    Off,
-    /// Re-send with the SAME request id after `retry_after_ms`, at most `retry_max` times.
-    SameId { retry_max: u32 },
-}
 
 /// Whether a progress line goes to stderr every second.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,7 +50,9 @@ pub struct LoadConfig {
     pub connections: usize,
     /// Requests in flight per connection (1 = no pipelining).
     pub pipeline: usize,
-    /// tokio worker threads of the generator.
+    /// Event-loop threads of the generator (each with its share of the connections and of
+    /// the schedule); also the worker threads of the tokio runtime around them (set-up and
+    /// checks).
     pub threads: usize,
     pub activity_id: u64,
     pub sku_id: u64,
@@ -120,7 +107,7 @@ impl LoadConfig {
             user_id_base: 1,
             pass_keys: flashsale_engine::logic::auth::DEV_PASS_KEYS.to_owned(),
             duplicate_ratio: 0.10,
-            retry: RetryPolicy::SameId { retry_max: 3 },
+            retry: RetryPolicy::SameId(SameId::DEFAULT),
             seed: 1,
             run_id: default_run_id(),
             timeout_ms: 5_000,
@@ -167,10 +154,8 @@ impl LoadConfig {
         if !(0.0..=1.0).contains(&self.duplicate_ratio) {
             return bad("duplicate ratio must be in [0, 1]".into());
         }
-        if let RetryPolicy::SameId { retry_max } = self.retry {
-            if retry_max > RETRY_MAX_MAX {
-                return bad(format!("retry max must be 0..={RETRY_MAX_MAX}"));
-            }
+        if let Some(reason) = self.retry.invalid_reason() {
+            return bad(reason);
         }
         if self.timeout_ms == 0 || self.timeout_ms > TIMEOUT_MS_MAX {
             return bad(format!("timeout must be 1..={TIMEOUT_MS_MAX} ms"));
@@ -290,6 +275,13 @@ mod tests {
             ("--pass-keys", LoadConfig { pass_keys: "nokey".into(), ..ok.clone() }),
             ("--pg-url", LoadConfig { pg_url: Some("postgres://x".into()), ..ok.clone() }),
             ("rate", LoadConfig { profile: Profile::Constant { rate_per_s: 0 }, ..ok.clone() }),
+            (
+                "retry budget",
+                LoadConfig {
+                    retry: RetryPolicy::SameId(SameId { budget_ms: 1 << 40, ..SameId::DEFAULT }),
+                    ..ok.clone()
+                },
+            ),
         ];
         for (needle, config) in cases {
             let err = config.validate().unwrap_err();

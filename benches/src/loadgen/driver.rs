@@ -1,65 +1,31 @@
-//! The open-loop driver (tokio): a dispatcher that releases requests on the schedule's fixed
-//! grid, a bounded send queue, keep-alive connections that take from it, retries, and the
-//! progress line.
+//! The open-loop driver: splits the run over `threads` event loops (`event_loop.rs`, one
+//! thread each, each with its share of the connections and of the schedule), starts them on
+//! one shared clock, prints the progress line, and merges what they measured.
 //!
-//! How it stays open-loop: the dispatcher sleeps until request `i`'s intended time
-//! (`start + profile.offset_ns(i)`) and pushes it onto the queue whatever the server is
-//! doing; it never waits for an answer. A connection takes a request when it has a free
-//! pipeline slot. When every connection is busy the request waits in the queue, and since its
-//! latency is measured from its INTENDED time, that wait is charged to the server, as it would
-//! be for a real buyer (no coordinated omission). The queue is bounded (`queue_max`): a
-//! request due while it is full is dropped and counted, never silently skipped.
+//! Open loop, as before: request `i` is due at `start + profile.offset_ns(i)` whatever the
+//! server does; loop `k` of `n` sends the requests `i ≡ k (mod n)`, so together they keep the
+//! whole grid. Latency counts from each attempt's intended send time (no coordinated
+//! omission); the generator's own lateness is `dispatch_lag`, its wait for a free
+//! connection is in `send_lag`, and its CPU over the run is `cpu_ticks` (the report divides
+//! it by the answers: the instrument's own cost per request, issue 25 item 5).
 //!
-//! Requests already due when the dispatcher wakes are released together (one queue lock and
-//! one wake-up per batch of at most `DISPATCH_BATCH_MAX`), each still at its own intended
-//! time. The dispatcher is a thread of its own sleeping with `std::thread::sleep` (nanosleep,
-//! ~50-100 µs late on Linux), not a tokio timer: tokio's timer wheel ticks in whole
-//! milliseconds, which put a 0.5-1 ms floor under every measured latency (measured: SOLD_OUT
-//! p50 1.03 ms of which 0.75 ms was the timer). Its lateness is still charged to the
-//! requests, and reported apart as `dispatch_lag`, beside `send_lag` (dispatch lag plus the
-//! wait for a free connection), so a generator that cannot keep up is visible, not hidden.
+//! What it is not: the loop itself (`event_loop.rs`), the schedule (`schedule.rs`), the
+//! retry rule (`retry.rs`), the checks after the run (`verify.rs`), the report.
 //!
-//! A connection is a hand-rolled HTTP/1.1 client (`http.rs`) over one `TcpStream`: it writes
-//! up to `pipeline` requests in one write, reads answers in order, and gives up the
-//! connection (counting what was in flight as errors) on EOF, a reset, a parse error, a
-//! `Connection: close`, or no answer within `timeout_ms`; then it reconnects with a backoff.
-//!
-//! What it is not: the schedule itself (`schedule.rs`), the checks after the run
-//! (`verify.rs`), the report (`report.rs`).
-//!
-//! Read next: `verify.rs`.
+//! Read next: `event_loop.rs`, then `verify.rs`.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Barrier, Mutex, OnceLock};
+use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-use tokio::sync::Notify;
-
-use super::config::{Progress, RetryPolicy, RETRY_AFTER_MS_DEFAULT, RETRY_AFTER_MS_MAX};
-use super::http::{self, State, SubmitAnswer};
-use super::schedule::{Plan, Profile};
-use super::stats::{latency_histogram, LatencySummary, Recorder, Seen, TIMELINE_SECONDS_MAX};
-use hdrhistogram::Histogram;
-
-/// Reconnect backoff bounds.
-const RECONNECT_BACKOFF_MS_MIN: u64 = 10;
-const RECONNECT_BACKOFF_MS_MAX: u64 = 1_000;
-/// How long the run waits for its connections before the schedule starts.
-const WARMUP_MS_MAX: u64 = 3_000;
-/// An idle connection re-checks whether the run is over this often (a wake-up can race
-/// with the final notification).
-const IDLE_RECHECK_MS: u64 = 200;
-/// Most requests the dispatcher releases under one lock of the queue and one wake-up. At
-/// 100,000 req/s and more, a lock and a cross-thread wake-up per request made the generator
-/// the limit (measured on one core: dispatch lag p99 16 ms at 112,500 req/s while the bare
-/// server used 0.3 cores). Only requests already due are batched, so none waits for another.
-const DISPATCH_BATCH_MAX: usize = 64;
-/// Read buffer per connection; responses are ~200 bytes, so this holds a full pipeline.
-const READ_BUFFER_BYTES: usize = 16 * 1024;
+use super::config::Progress;
+use super::event_loop::{lock, Clock, EventLoop, Gauges, LoopSetup};
+use super::http::SubmitTemplate;
+use super::proc;
+use super::retry::RetryPolicy;
+use super::schedule::Profile;
+use super::stats::{Recorder, Seen};
 
 /// What the driver needs, resolved by the caller.
 #[derive(Debug, Clone)]
@@ -75,6 +41,8 @@ pub struct DriveParams {
     pub duration_ms: u64,
     pub connections: usize,
     pub pipeline: usize,
+    /// Event loops (threads); at most `connections`.
+    pub threads: usize,
     pub users: u32,
     pub duplicate_ratio: f64,
     pub seed: u64,
@@ -114,560 +82,217 @@ pub struct Measured {
     /// Time from the start to the last answer read, µs.
     pub last_answer_us: u64,
     pub trace: Vec<TraceEntry>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Job {
-    index: u64,
-    request_seq: u64,
-    user: u32,
-    intended: Instant,
-    attempt: u32,
-}
-
-struct InFlight {
-    job: Job,
-    written: Instant,
-}
-
-struct Shared {
-    params: DriveParams,
-    start: Instant,
-    started_unix_us: u64,
-    queue: Mutex<VecDeque<Job>>,
-    work: Notify,
-    recorder: Mutex<Recorder>,
-    seen: Mutex<Seen>,
-    trace: Mutex<Vec<TraceEntry>>,
-    dropped: AtomicU64,
-    unsent: AtomicU64,
-    /// Requests pushed and not yet settled (answered for good, failed, or dropped on retry).
-    outstanding: AtomicU64,
-    retries_waiting: AtomicUsize,
-    scheduling_done: AtomicBool,
-    stop: AtomicBool,
-    last_written_us: AtomicU64,
-    last_answer_us: AtomicU64,
-}
-
-/// A poisoned lock only means another task panicked mid-record; the counts are still
-/// usable for a report, so take the data rather than propagate the panic.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-impl Shared {
-    fn elapsed_us(&self, at: Instant) -> u64 {
-        at.saturating_duration_since(self.start).as_micros() as u64
-    }
-
-    /// Queues a request; false (and counted as dropped) when the queue is full.
-    fn push(&self, job: Job) -> bool {
-        let mut queue = lock(&self.queue);
-        if queue.len() >= self.params.queue_max {
-            drop(queue);
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        queue.push_back(job);
-        drop(queue);
-        self.work.notify_one();
-        true
-    }
-
-    /// Queues as many of `jobs` as fit (one lock, one wake-up; the wake-up is passed on by
-    /// [`Shared::pop`]); the rest are dropped and counted. Empties `jobs`; returns how many
-    /// were dropped.
-    fn push_batch(&self, jobs: &mut Vec<Job>) -> u64 {
-        let mut queue = lock(&self.queue);
-        let taken = jobs.len().min(self.params.queue_max.saturating_sub(queue.len()));
-        queue.extend(jobs.drain(..taken));
-        drop(queue);
-        let dropped = jobs.len() as u64;
-        jobs.clear();
-        if dropped > 0 {
-            self.dropped.fetch_add(dropped, Ordering::Relaxed);
-        }
-        if taken > 0 {
-            self.work.notify_one();
-        }
-        dropped
-    }
-
-    fn pop(&self) -> Option<Job> {
-        let mut queue = lock(&self.queue);
-        let job = queue.pop_front();
-        let more = !queue.is_empty();
-        drop(queue);
-        if more {
-            // Pass the wake-up on: another idle connection may take the next one.
-            self.work.notify_one();
-        }
-        job
-    }
-
-    fn settle(&self) {
-        // Wake every idle connection only when the run is over. While the schedule runs,
-        // `outstanding` touches 0 after almost every answer at low rates, and waking all
-        // connections each time cost ~130 µs of CPU per request (measured at 1,000 req/s).
-        // The dispatcher wakes everyone itself once it sets `scheduling_done`.
-        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1
-            && self.scheduling_done.load(Ordering::Acquire)
-        {
-            self.work.notify_waiters();
-        }
-    }
-
-    fn finished(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
-            || (self.scheduling_done.load(Ordering::Acquire)
-                && self.outstanding.load(Ordering::Acquire) == 0)
-    }
+    /// The generator's CPU (user + system, every thread, USER_HZ ticks) from before its
+    /// connections opened to after its last answer; `None` where `/proc` cannot be read.
+    pub cpu_ticks: Option<u64>,
 }
 
 /// Runs the schedule against the target and returns what was measured. Must be called
-/// inside a tokio runtime.
+/// inside a tokio runtime (the loops run on blocking threads, so a server in the same
+/// runtime — the tests' — keeps running).
 pub async fn drive(params: DriveParams) -> Measured {
-    // Connections are opened before the schedule's zero, so connection set-up is not
-    // charged to the first requests (a connection that fails here retries in its task).
-    let (streams, connect_errors) = open_connections(&params).await;
-    let shared = Arc::new(Shared {
-        start: Instant::now(),
-        started_unix_us: unix_us(),
-        queue: Mutex::new(VecDeque::with_capacity(params.queue_max.min(1 << 16))),
-        work: Notify::new(),
-        recorder: Mutex::new(Recorder::new()),
-        seen: Mutex::new(Seen::default()),
-        trace: Mutex::new(Vec::with_capacity(params.trace_max.min(1 << 16))),
-        dropped: AtomicU64::new(0),
-        unsent: AtomicU64::new(0),
-        outstanding: AtomicU64::new(0),
-        retries_waiting: AtomicUsize::new(0),
-        scheduling_done: AtomicBool::new(false),
-        stop: AtomicBool::new(false),
-        last_written_us: AtomicU64::new(0),
-        last_answer_us: AtomicU64::new(0),
-        params,
-    });
-    lock(&shared.recorder).errors.connect += connect_errors;
-    let tasks: Vec<_> =
-        streams.into_iter().map(|s| tokio::spawn(connection(Arc::clone(&shared), s))).collect();
-    let progress = match shared.params.progress {
-        Progress::Stderr => Some(tokio::spawn(progress_loop(Arc::clone(&shared)))),
+    let loops = params.threads.clamp(1, params.connections.max(1));
+    let gauges: Arc<Vec<Gauges>> = Arc::new((0..loops).map(|_| Gauges::default()).collect());
+    let clock = Arc::new(Clock { barrier: Barrier::new(loops), start: OnceLock::new() });
+    let progress = match params.progress {
+        Progress::Stderr => {
+            Some(tokio::spawn(progress_loop(Arc::clone(&gauges), Arc::clone(&clock))))
+        }
         Progress::Off => None,
     };
-    let dispatcher = Arc::clone(&shared);
-    let (scheduled, per_second, dispatch_lag) =
-        match tokio::task::spawn_blocking(move || dispatch(&dispatcher)).await {
-            Ok(done) => done,
-            // The dispatcher panicked: a bug; surface it as such.
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        };
-    {
-        let mut recorder = lock(&shared.recorder);
-        recorder.dispatch_lag = dispatch_lag;
-        for (second, count) in per_second.into_iter().enumerate() {
-            recorder.on_scheduled(second, count);
-        }
-    }
-    // Wait for everything in flight, bounded by the time a request and its retries can take.
-    let retry_horizon_ms = match shared.params.retry {
-        RetryPolicy::Off => 0,
-        RetryPolicy::SameId { retry_max } => {
-            u64::from(retry_max) * (RETRY_AFTER_MS_MAX + shared.params.timeout_ms)
-        }
+    let run = {
+        let gauges = Arc::clone(&gauges);
+        let clock = Arc::clone(&clock);
+        tokio::task::spawn_blocking(move || drive_blocking(params, loops, &gauges, clock))
     };
-    let give_up = Instant::now()
-        + Duration::from_millis(2 * shared.params.timeout_ms + retry_horizon_ms + 1_000);
-    while !shared.finished() && Instant::now() < give_up {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    shared.stop.store(true, Ordering::Release);
-    shared.work.notify_waiters();
-    for task in tasks {
-        let _ = task.await;
-    }
+    let measured = match run.await {
+        Ok(measured) => measured,
+        // A loop panicked: a bug; surface it as such.
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    };
     if let Some(progress) = progress {
         progress.abort();
     }
-    let unsent = {
-        let mut queue = lock(&shared.queue);
-        let n = queue.len() as u64;
-        queue.clear();
-        n
-    };
-    shared.unsent.fetch_add(unsent, Ordering::Relaxed);
-    let mut trace = std::mem::take(&mut *lock(&shared.trace));
+    measured
+}
+
+fn drive_blocking(
+    params: DriveParams,
+    loops: usize,
+    gauges: &Arc<Vec<Gauges>>,
+    clock: Arc<Clock>,
+) -> Measured {
+    let cpu_before = proc::sample("self");
+    let template = Arc::new(SubmitTemplate::new(
+        &params.host,
+        params.activity_id,
+        params.sku_id,
+        &params.run_id,
+    ));
+    let params = Arc::new(params);
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let trace = Arc::new(Mutex::new(Vec::with_capacity(params.trace_max.min(1 << 16))));
+    let share = |n: usize, k: usize| n / loops + usize::from(k < n % loops);
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..loops)
+            .map(|k| {
+                let setup = LoopSetup {
+                    params: Arc::clone(&params),
+                    template: Arc::clone(&template),
+                    index: k,
+                    loops,
+                    connections: share(params.connections, k).max(1),
+                    queue_max: share(params.queue_max, k).max(1),
+                    clock: Arc::clone(&clock),
+                    gauges: Arc::clone(gauges),
+                    seen: Arc::clone(&seen),
+                    trace: Arc::clone(&trace),
+                };
+                std::thread::Builder::new()
+                    .name(format!("loadgen-{k}"))
+                    .spawn_scoped(scope, move || run_loop(setup))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h {
+                Ok(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                Err(e) => panic!("spawn an event-loop thread: {e}"),
+            })
+            .collect()
+    });
+    let cpu_after = proc::sample("self");
+    let mut recorder = Recorder::new();
+    let (mut scheduled, mut dropped, mut unsent, mut last_written_us, mut last_answer_us) =
+        (0, 0, 0, 0, 0);
+    let mut per_second: Vec<u64> = Vec::new();
+    for r in &results {
+        recorder.merge(&r.recorder);
+        scheduled += r.scheduled;
+        dropped += r.dropped;
+        unsent += r.unsent;
+        last_written_us = last_written_us.max(r.last_written_us);
+        last_answer_us = last_answer_us.max(r.last_answer_us);
+        if per_second.len() < r.per_second.len() {
+            per_second.resize(r.per_second.len(), 0);
+        }
+        for (a, b) in per_second.iter_mut().zip(&r.per_second) {
+            *a += b;
+        }
+    }
+    for (second, count) in per_second.into_iter().enumerate() {
+        recorder.on_scheduled(second, count);
+    }
+    let mut trace = std::mem::take(&mut *lock(&trace));
     trace.sort_by_key(|t| (t.index, t.attempt));
-    let recorder = std::mem::take(&mut *lock(&shared.recorder));
-    let seen = std::mem::take(&mut *lock(&shared.seen));
+    let seen = std::mem::take(&mut *lock(&seen));
+    let started_unix_us = clock.start.get().map_or(0, |(_, unix_us)| *unix_us);
     Measured {
         recorder,
         seen,
         scheduled,
-        dropped: shared.dropped.load(Ordering::Relaxed),
-        unsent: shared.unsent.load(Ordering::Relaxed),
-        sending_s: shared.last_written_us.load(Ordering::Relaxed) as f64 / 1e6,
-        answering_s: shared.last_answer_us.load(Ordering::Relaxed) as f64 / 1e6,
-        started_unix_us: shared.started_unix_us,
-        last_answer_us: shared.last_answer_us.load(Ordering::Relaxed),
+        dropped,
+        unsent,
+        sending_s: last_written_us as f64 / 1e6,
+        answering_s: last_answer_us as f64 / 1e6,
+        started_unix_us,
+        last_answer_us,
         trace,
+        cpu_ticks: cpu_before.zip(cpu_after).map(|(a, b)| b.cpu_ticks.saturating_sub(a.cpu_ticks)),
     }
 }
 
-fn unix_us() -> u64 {
+/// One loop on this thread.
+fn run_loop(setup: LoopSetup) -> super::event_loop::LoopResult {
+    match EventLoop::new(setup) {
+        Ok(event_loop) => event_loop.run(),
+        // epoll_create1 failing (out of descriptors) leaves nothing to measure with.
+        Err(e) => panic!("event loop: epoll: {e}"),
+    }
+}
+
+pub(super) fn unix_us() -> u64 {
     let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
     since_epoch.map_or(0, |d| d.as_micros() as u64)
 }
 
-/// Opens every connection at once (bounded by the warm-up time); returns the streams (None
-/// for those that failed) and the number of failures.
-async fn open_connections(params: &DriveParams) -> (Vec<Option<TcpStream>>, u64) {
-    let warmup = Duration::from_millis(WARMUP_MS_MAX.min(params.timeout_ms));
-    let attempts = (0..params.connections).map(|_| async {
-        match tokio::time::timeout(warmup, TcpStream::connect(params.target)).await {
-            Ok(Ok(stream)) => {
-                let _ = stream.set_nodelay(true);
-                Some(stream)
-            }
-            Ok(Err(_)) | Err(_) => None,
-        }
-    });
-    let streams = futures::future::join_all(attempts).await;
-    let failed = streams.iter().filter(|s| s.is_none()).count() as u64;
-    (streams, failed)
-}
-
-/// Releases every request of the schedule at its intended time (blocking: runs on a thread
-/// of its own); returns how many, how many per second, and how late each was released.
-fn dispatch(shared: &Arc<Shared>) -> (u64, Vec<u64>, Histogram<u64>) {
-    let p = &shared.params;
-    let start = shared.start;
-    let total = p.profile.count_within(p.duration_ms * 1_000_000);
-    let mut plan = Plan::new(p.seed, p.users, p.duplicate_ratio);
-    let mut lag = latency_histogram();
-    let mut per_second: Vec<u64> = Vec::new();
-    let mut batch: Vec<Job> = Vec::with_capacity(DISPATCH_BATCH_MAX);
-    for i in 0..total {
-        let offset_ns = p.profile.offset_ns(i);
-        let second = ((offset_ns / 1_000_000_000) as usize).min(TIMELINE_SECONDS_MAX - 1);
-        if per_second.len() <= second {
-            per_second.resize(second + 1, 0);
-        }
-        per_second[second] += 1;
-        let intended = start + Duration::from_nanos(offset_ns);
-        let now = Instant::now();
-        if now < intended {
-            // Everything due is released before sleeping: a batch never waits for the next.
-            release(shared, &mut batch, &mut lag);
-            std::thread::sleep(intended - now);
-        }
-        let intent = plan.next_intent();
-        batch.push(Job {
-            index: intent.index,
-            request_seq: intent.request_seq,
-            user: intent.user,
-            intended,
-            attempt: 0,
-        });
-        if batch.len() >= DISPATCH_BATCH_MAX {
-            release(shared, &mut batch, &mut lag);
-        }
-    }
-    release(shared, &mut batch, &mut lag);
-    shared.scheduling_done.store(true, Ordering::Release);
-    shared.work.notify_waiters();
-    (total, per_second, lag)
-}
-
-/// Queues the due requests of `batch` under one lock with one wake-up, and records how late
-/// each was released.
-fn release(shared: &Shared, batch: &mut Vec<Job>, lag: &mut Histogram<u64>) {
-    if batch.is_empty() {
-        return;
-    }
-    let now = Instant::now();
-    for job in batch.iter() {
-        lag.saturating_record(now.saturating_duration_since(job.intended).as_micros() as u64);
-    }
-    // Counted before they can be answered, so that `settle` never runs ahead of it.
-    shared.outstanding.fetch_add(batch.len() as u64, Ordering::AcqRel);
-    for _ in 0..shared.push_batch(batch) {
-        shared.settle();
-    }
-}
-
-async fn connection(shared: Arc<Shared>, first: Option<TcpStream>) {
-    let mut backoff_ms = RECONNECT_BACKOFF_MS_MIN;
-    if let Some(stream) = first {
-        serve_stream(&shared, stream).await;
-    }
-    while !shared.finished() {
-        let connect = TcpStream::connect(shared.params.target);
-        let timeout = Duration::from_millis(shared.params.timeout_ms);
-        match tokio::time::timeout(timeout, connect).await {
-            Ok(Ok(stream)) => {
-                let _ = stream.set_nodelay(true);
-                backoff_ms = RECONNECT_BACKOFF_MS_MIN;
-                serve_stream(&shared, stream).await;
-            }
-            Ok(Err(_)) | Err(_) => {
-                lock(&shared.recorder).errors.connect += 1;
-                tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
-                backoff_ms = (backoff_ms * 2).min(RECONNECT_BACKOFF_MS_MAX);
-            }
-        }
-    }
-}
-
-/// Why a connection was given up; what was in flight is counted accordingly.
-#[derive(Clone, Copy)]
-enum Failure {
-    Io,
-    Timeout,
-}
-
-async fn serve_stream(shared: &Arc<Shared>, stream: TcpStream) {
-    let pipeline = shared.params.pipeline;
-    let timeout = Duration::from_millis(shared.params.timeout_ms);
-    let (mut reader, mut writer) = stream.into_split();
-    let mut in_flight: VecDeque<InFlight> = VecDeque::with_capacity(pipeline);
-    let mut write_buf: Vec<u8> = Vec::with_capacity(pipeline * 512);
-    let mut read_buf: Vec<u8> = Vec::with_capacity(READ_BUFFER_BYTES);
-    // Requests taken for the next write; reused so the hot loop does not allocate.
-    let mut taken: Vec<Job> = Vec::with_capacity(pipeline);
-    loop {
-        while in_flight.len() + taken.len() < pipeline {
-            let Some(job) = shared.pop() else { break };
-            let p = &shared.params;
-            let pass = p.passes.get(job.user as usize).map_or("", String::as_str);
-            let id = (p.run_id.as_str(), job.request_seq);
-            http::encode_submit(&mut write_buf, &p.host, pass, p.activity_id, p.sku_id, id);
-            taken.push(job);
-        }
-        if !taken.is_empty() {
-            let result = writer.write_all(&write_buf).await;
-            write_buf.clear();
-            let written = Instant::now();
-            let elapsed = shared.elapsed_us(written);
-            if result.is_ok() {
-                shared.last_written_us.fetch_max(elapsed, Ordering::Relaxed);
-                let mut recorder = lock(&shared.recorder);
-                for job in &taken {
-                    let lag = written.saturating_duration_since(job.intended).as_micros() as u64;
-                    recorder.on_sent(elapsed, lag, job.attempt > 0);
-                }
-            }
-            in_flight.extend(taken.drain(..).map(|job| InFlight { job, written }));
-            if result.is_err() {
-                fail_all(shared, &mut in_flight, Failure::Io);
-                return;
-            }
-        }
-        if in_flight.is_empty() {
-            if shared.finished() {
-                return;
-            }
-            tokio::select! {
-                _ = shared.work.notified() => {}
-                _ = tokio::time::sleep(Duration::from_millis(IDLE_RECHECK_MS)) => {}
-            }
-            continue;
-        }
-        let deadline = in_flight.front().map_or_else(Instant::now, |f| f.written) + timeout;
-        let can_take_more = in_flight.len() < pipeline;
-        tokio::select! {
-            biased;
-            read = reader.read_buf(&mut read_buf) => match read {
-                Ok(0) | Err(_) => {
-                    fail_all(shared, &mut in_flight, Failure::Io);
-                    return;
-                }
-                Ok(_) => match take_responses(shared, &mut read_buf, &mut in_flight) {
-                    Ok(Stream::Open) => {}
-                    Ok(Stream::Closed) => {
-                        fail_all(shared, &mut in_flight, Failure::Io);
-                        return;
-                    }
-                    Err(()) => {
-                        lock(&shared.recorder).errors.protocol += 1;
-                        fail_all(shared, &mut in_flight, Failure::Io);
-                        return;
-                    }
-                },
-            },
-            _ = tokio::time::sleep_until(deadline.into()) => {
-                fail_all(shared, &mut in_flight, Failure::Timeout);
-                return;
-            }
-            _ = shared.work.notified(), if can_take_more => {}
-        }
-    }
-}
-
-enum Stream {
-    Open,
-    Closed,
-}
-
-/// Handles every complete response at the front of `buf`, in pipeline order.
-fn take_responses(
-    shared: &Arc<Shared>,
-    buf: &mut Vec<u8>,
-    in_flight: &mut VecDeque<InFlight>,
-) -> Result<Stream, ()> {
-    let mut used = 0;
-    let mut closed = false;
-    while !closed {
-        let response = match http::parse_response(&buf[used..]) {
-            Ok(Some(r)) => r,
-            Ok(None) => break,
-            Err(_) => return Err(()),
-        };
-        // An answer nobody asked for: the stream is out of step.
-        let Some(f) = in_flight.pop_front() else { return Err(()) };
-        let answer = SubmitAnswer::parse(response.body);
-        on_answer(shared, f, response.status, answer);
-        used += response.len;
-        closed = response.close;
-    }
-    buf.drain(..used);
-    Ok(if closed { Stream::Closed } else { Stream::Open })
-}
-
-fn on_answer(shared: &Arc<Shared>, f: InFlight, status: u16, answer: SubmitAnswer) {
-    let now = Instant::now();
-    let job = f.job;
-    let latency_us = now.saturating_duration_since(job.intended).as_micros() as u64;
-    let elapsed = shared.elapsed_us(now);
-    shared.last_answer_us.fetch_max(elapsed, Ordering::Relaxed);
-    lock(&shared.recorder).on_answer(elapsed, latency_us, status, answer.state, answer.replayed);
-    if let Some(reservation_id) = answer.reservation_id.as_deref() {
-        lock(&shared.seen).on_answer(
-            job.user,
-            job.request_seq,
-            answer.state,
-            answer.replayed,
-            Some(reservation_id),
-        );
-    }
-    if shared.params.trace_max > 0 {
-        let mut trace = lock(&shared.trace);
-        if trace.len() < shared.params.trace_max {
-            trace.push(TraceEntry {
-                index: job.index,
-                attempt: job.attempt,
-                intended_us: shared.elapsed_us(job.intended),
-                written_us: shared.elapsed_us(f.written),
-                answered_us: elapsed,
-                latency_us,
-                state: answer.state.as_str().to_owned(),
-            });
-        }
-    }
-    match shared.params.retry {
-        RetryPolicy::SameId { retry_max }
-            if answer.state.is_retryable() && job.attempt < retry_max =>
-        {
-            retry_later(shared, job, answer.retry_after_ms, now);
-        }
-        _ => shared.settle(),
-    }
-}
-
-/// Re-sends `job` with the same request id after the server's hint (capped), as a new
-/// request whose intended time is the retry time.
-fn retry_later(shared: &Arc<Shared>, job: Job, retry_after_ms: Option<u64>, now: Instant) {
-    if shared.retries_waiting.load(Ordering::Relaxed) >= shared.params.queue_max {
-        shared.dropped.fetch_add(1, Ordering::Relaxed);
-        shared.settle();
-        return;
-    }
-    shared.retries_waiting.fetch_add(1, Ordering::Relaxed);
-    let delay_ms = retry_after_ms.unwrap_or(RETRY_AFTER_MS_DEFAULT).min(RETRY_AFTER_MS_MAX);
-    let at = now + Duration::from_millis(delay_ms);
-    let shared = Arc::clone(shared);
-    tokio::spawn(async move {
-        tokio::time::sleep_until(at.into()).await;
-        shared.retries_waiting.fetch_sub(1, Ordering::Relaxed);
-        let retry = Job { intended: at, attempt: job.attempt + 1, ..job };
-        if shared.stop.load(Ordering::Acquire) || !shared.push(retry) {
-            shared.settle();
-        }
-    });
-}
-
-fn fail_all(shared: &Arc<Shared>, in_flight: &mut VecDeque<InFlight>, why: Failure) {
-    let n = in_flight.len() as u64;
-    if n == 0 {
-        return;
-    }
-    {
-        let mut recorder = lock(&shared.recorder);
-        match why {
-            Failure::Io => recorder.errors.io += n,
-            Failure::Timeout => recorder.errors.timeout += n,
-        }
-    }
-    for _ in in_flight.drain(..) {
-        shared.settle();
-    }
-}
-
 /// One line a second on stderr: what was sent, the rate, p99 so far, the main states.
-async fn progress_loop(shared: Arc<Shared>) {
-    let start = shared.start;
-    let mut tick =
-        tokio::time::interval_at((start + Duration::from_secs(1)).into(), Duration::from_secs(1));
+async fn progress_loop(gauges: Arc<Vec<Gauges>>, clock: Arc<Clock>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.tick().await;
     let mut last_sent = 0u64;
     loop {
         tick.tick().await;
-        let line = {
-            let r = lock(&shared.recorder);
-            let p99 = LatencySummary::of(&r.overall).p99;
-            let queued = r.count(State::Queued) + r.count(State::QueuedPending);
-            let sold_out = r.count(State::SoldOut);
-            let other = r.answered - queued - sold_out;
-            let errors = r.errors.connect + r.errors.io + r.errors.timeout + r.errors.protocol;
-            let rate = r.sent - last_sent;
-            last_sent = r.sent;
-            format!(
-                "[{:>4}s] sent {} ({rate}/s)  answered {}  p99 {p99:.2} ms  QUEUED {queued}  \
-                 SOLD_OUT {sold_out}  other {other}  queue {}  dropped {}  errors {errors}",
-                start.elapsed().as_secs(),
-                r.sent,
-                r.answered,
-                lock(&shared.queue).len(),
-                shared.dropped.load(Ordering::Relaxed),
-            )
-        };
-        eprintln!("{line}");
+        let Some((start, _)) = clock.start.get() else { continue };
+        let sum = |f: fn(&Gauges) -> u64| gauges.iter().map(f).sum::<u64>();
+        let sent = sum(|g| g.sent.load(Ordering::Relaxed));
+        let answered = sum(|g| g.answered.load(Ordering::Relaxed));
+        let accepted = sum(|g| g.accepted.load(Ordering::Relaxed));
+        let sold_out = sum(|g| g.sold_out.load(Ordering::Relaxed));
+        let shed = sum(|g| g.shed.load(Ordering::Relaxed));
+        let p99_ms =
+            gauges.iter().map(|g| g.p99_us.load(Ordering::Relaxed)).max().unwrap_or(0) as f64 / 1e3;
+        let rate = sent.saturating_sub(last_sent);
+        last_sent = sent;
+        eprintln!(
+            "[{:>4}s] sent {sent} ({rate}/s)  answered {answered}  p99 {p99_ms:.2} ms  QUEUED \
+             {accepted}  SOLD_OUT {sold_out}  OVERLOADED {shed}  other {}  queue {}  dropped {}  \
+             errors {}",
+            start.elapsed().as_secs(),
+            answered.saturating_sub(accepted + sold_out + shed),
+            sum(|g| g.queued.load(Ordering::Relaxed)),
+            sum(|g| g.dropped.load(Ordering::Relaxed)),
+            sum(|g| g.errors.load(Ordering::Relaxed)),
+        );
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::loadgen::http::State;
+    use crate::loadgen::retry::SameId;
+    use crate::loadgen::stats::LatencySummary;
+    use std::collections::HashMap;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
-    /// A deliberately slow server: one connection, answers strictly one at a time, each
-    /// after `delay` (a stand-in for a busy engine).
-    async fn slow_server(delay: Duration) -> SocketAddr {
+    /// What a scripted server answers: given the request id and how many times it has been
+    /// seen before (0 for its first send), the status line and the body.
+    type Script = fn(&str, u32) -> (&'static str, String);
+
+    /// Requests seen by a scripted server: request id → sends.
+    type Sends = Arc<Mutex<HashMap<String, u32>>>;
+
+    /// A tiny in-process server: every connection answers its requests strictly one at a
+    /// time, each after `delay` (a stand-in for a busy engine), as `script` says.
+    async fn scripted_server(delay: Duration, script: Script) -> (SocketAddr, Sends) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let sends: Sends = Arc::default();
+        let seen = Arc::clone(&sends);
         tokio::spawn(async move {
             loop {
                 let Ok((mut s, _)) = listener.accept().await else { return };
+                let seen = Arc::clone(&seen);
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     loop {
                         // Requests end with the JSON body's closing brace.
                         while let Some(end) = buf.iter().position(|&b| b == b'}') {
+                            let request = String::from_utf8_lossy(&buf[..=end]).into_owned();
                             buf.drain(..=end);
+                            let id = request_id(&request);
+                            let before = {
+                                let mut seen = lock(&seen);
+                                let n = seen.entry(id.clone()).or_insert(0);
+                                *n += 1;
+                                *n - 1
+                            };
                             tokio::time::sleep(delay).await;
-                            let body = r#"{"state":"SOLD_OUT"}"#;
+                            let (status, body) = script(&id, before);
                             let head = format!(
-                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                                "HTTP/1.1 {status}\r\ncontent-length: {}\r\n\r\n{body}",
                                 body.len()
                             );
                             if s.write_all(head.as_bytes()).await.is_err() {
@@ -683,7 +308,21 @@ mod tests {
                 });
             }
         });
-        addr
+        (addr, sends)
+    }
+
+    fn request_id(request: &str) -> String {
+        let key = r#""request_id":""#;
+        let from = request.find(key).map_or(0, |i| i + key.len());
+        request[from..].split('"').next().unwrap_or_default().to_owned()
+    }
+
+    fn sold_out(_: &str, _: u32) -> (&'static str, String) {
+        ("200 OK", r#"{"state":"SOLD_OUT"}"#.to_owned())
+    }
+
+    async fn slow_server(delay: Duration) -> SocketAddr {
+        scripted_server(delay, sold_out).await.0
     }
 
     fn params(target: SocketAddr) -> DriveParams {
@@ -698,6 +337,7 @@ mod tests {
             duration_ms: 200,
             connections: 1,
             pipeline: 1,
+            threads: 1,
             users: 4,
             duplicate_ratio: 0.0,
             seed: 1,
@@ -765,5 +405,166 @@ mod tests {
         assert_eq!(m.recorder.answered, 0);
         assert!(m.recorder.errors.connect > 0);
         assert_eq!(m.unsent + m.dropped, 50);
+    }
+
+    /// Every scheduled intent ends one way: final answer, failed, dropped or unsent.
+    fn assert_intents_add_up(m: &Measured) {
+        let n = &m.recorder.intents;
+        assert_eq!(n.final_answered + n.failed + n.dropped + n.unsent, m.scheduled, "{n:?}");
+        assert_eq!(n.final_answered, m.recorder.final_counts.iter().sum::<u64>());
+        assert_eq!(n.final_answered, m.recorder.time_to_final.len());
+        let t = &m.recorder.timeline;
+        let kinds: u64 = t.iter().map(|s| s.accepted + s.sold_out + s.shed + s.other).sum();
+        assert_eq!(kinds, m.recorder.answered);
+        assert_eq!(t.iter().map(|s| s.answered).sum::<u64>(), m.recorder.answered);
+    }
+
+    /// Shed twice, then sold out: each buyer's FIRST answer is OVERLOADED, his FINAL one
+    /// SOLD_OUT, after two retries with the SAME request id, each waiting the server's hint
+    /// (100 ms) stretched by [1, 1.5); his time to the final answer includes both waits,
+    /// while each attempt's latency counts from its own intended send.
+    #[tokio::test(flavor = "current_thread")]
+    async fn shed_answers_are_retried_with_the_same_id_after_the_hint_with_jitter() {
+        fn shed_twice(_: &str, before: u32) -> (&'static str, String) {
+            if before < 2 {
+                let body = r#"{"state":"OVERLOADED","retry_after_ms":100}"#;
+                ("429 Too Many Requests", body.to_owned())
+            } else {
+                ("200 OK", r#"{"state":"SOLD_OUT"}"#.to_owned())
+            }
+        }
+        let (addr, sends) = scripted_server(Duration::from_millis(1), shed_twice).await;
+        let p = DriveParams {
+            profile: Profile::Constant { rate_per_s: 100 },
+            duration_ms: 200,
+            connections: 4,
+            retry: RetryPolicy::SameId(SameId { retry_max: 5, budget_ms: 10_000, jitter_pct: 50 }),
+            ..params(addr)
+        };
+        let m = drive(p).await;
+        let r = &m.recorder;
+        assert_eq!(m.scheduled, 20);
+        assert_eq!((r.sent, r.retries_sent, r.answered), (60, 40, 60));
+        assert_eq!(r.first_counts[State::Overloaded.index()], 20);
+        assert_eq!(r.first_counts.iter().sum::<u64>(), 20);
+        assert_eq!(r.final_counts[State::SoldOut.index()], 20);
+        assert_eq!(r.count(State::Overloaded), 40);
+        assert_eq!(r.final_attempts[3], 20, "{:?}", r.final_attempts);
+        assert_eq!((r.intents.retried, r.intents.gave_up_retry_max), (20, 0));
+        assert_intents_add_up(&m);
+        // The same id each time: 20 ids, each sent exactly three times.
+        let sends = lock(&sends).clone();
+        assert_eq!(sends.len(), 20);
+        assert!(sends.values().all(|n| *n == 3), "{sends:?}");
+        // Each retry was intended [100, 150) ms after the answer it follows.
+        let mut by_intent: HashMap<u64, Vec<&TraceEntry>> = HashMap::new();
+        for t in &m.trace {
+            by_intent.entry(t.index).or_default().push(t);
+        }
+        for attempts in by_intent.values() {
+            assert_eq!(attempts.len(), 3);
+            for pair in attempts.windows(2) {
+                let wait_us = pair[1].intended_us - pair[0].answered_us;
+                assert!((100_000..150_001).contains(&wait_us), "{pair:?}");
+                // (each figure is rounded down to whole µs on its own)
+                let from_offsets = pair[1].answered_us - pair[1].intended_us;
+                assert!(pair[1].latency_us.abs_diff(from_offsets) <= 1, "{pair:?}");
+            }
+        }
+        // Per attempt the answers are fast; per buyer they took both waits.
+        let buyer = LatencySummary::of(&r.time_to_final);
+        assert!(buyer.p50 >= 200.0 && buyer.max < 400.0, "{buyer:?}");
+        assert!(LatencySummary::of(&r.overall).p50 < 50.0);
+        let sold = LatencySummary::of(&r.time_to_final_by_state[State::SoldOut.index()]);
+        assert_eq!(sold.count, 20);
+    }
+
+    /// A server that never stops shedding: retries stop at --retry-max, or at the budget,
+    /// whichever comes first; the last answer is the final one, and why is counted.
+    #[tokio::test(flavor = "current_thread")]
+    async fn retries_stop_at_the_bound_or_the_budget() {
+        fn always_busy(_: &str, _: u32) -> (&'static str, String) {
+            let body = r#"{"state":"SYSTEM_BUSY","retry_after_ms":40}"#;
+            ("503 Service Unavailable", body.to_owned())
+        }
+        let (addr, _) = scripted_server(Duration::from_millis(1), always_busy).await;
+        let base = DriveParams {
+            profile: Profile::Constant { rate_per_s: 100 },
+            duration_ms: 100,
+            connections: 4,
+            trace_max: 0,
+            ..params(addr)
+        };
+        let bounded = DriveParams {
+            retry: RetryPolicy::SameId(SameId { retry_max: 2, budget_ms: 10_000, jitter_pct: 0 }),
+            ..base.clone()
+        };
+        let m = drive(bounded).await;
+        let r = &m.recorder;
+        assert_eq!((m.scheduled, r.answered, r.retries_sent), (10, 30, 20));
+        assert_eq!(r.final_counts[State::SystemBusy.index()], 10);
+        assert_eq!((r.intents.gave_up_retry_max, r.intents.gave_up_budget), (10, 0));
+        assert_eq!(r.final_attempts[3], 10);
+        assert_intents_add_up(&m);
+        // 40 ms waits, 110 ms budget: retries start at ~41 and ~82 ms; a third would start
+        // at ~123 ms, past the budget.
+        let budgeted = DriveParams {
+            retry: RetryPolicy::SameId(SameId { retry_max: 10, budget_ms: 110, jitter_pct: 0 }),
+            ..base.clone()
+        };
+        let m = drive(budgeted).await;
+        let r = &m.recorder;
+        assert_eq!((r.intents.gave_up_retry_max, r.intents.gave_up_budget), (0, 10));
+        assert_eq!(r.final_attempts[3], 10, "{:?}", r.final_attempts);
+        let buyer = LatencySummary::of(&r.time_to_final);
+        assert!(buyer.max < 110.0 && buyer.p50 >= 80.0, "{buyer:?}");
+        assert_intents_add_up(&m);
+        // Retries off: the first answer is the final one.
+        let m = drive(DriveParams { retry: RetryPolicy::Off, ..base }).await;
+        let r = &m.recorder;
+        assert_eq!((r.answered, r.retries_sent, r.intents.retried), (10, 0, 0));
+        assert_eq!(r.first_counts, r.final_counts);
+        assert_intents_add_up(&m);
+    }
+
+    /// Only "not now" answers are retried: a QUEUED or DUPLICATE_USER is final at once.
+    #[tokio::test(flavor = "current_thread")]
+    async fn final_answers_are_not_retried() {
+        fn mixed(id: &str, _: u32) -> (&'static str, String) {
+            let seq: u64 = id.rsplit('-').next().and_then(|n| n.parse().ok()).unwrap_or(0);
+            match seq % 3 {
+                0 => ("202 Accepted", r#"{"state":"QUEUED","reservation_id":"resv_1"}"#.into()),
+                1 => ("200 OK", r#"{"state":"DUPLICATE_USER","reservation_id":"resv_1"}"#.into()),
+                _ => ("400 Bad Request", r#"{"state":"INVALID"}"#.into()),
+            }
+        }
+        let (addr, _) = scripted_server(Duration::from_millis(1), mixed).await;
+        let m = drive(DriveParams { duration_ms: 60, trace_max: 0, ..params(addr) }).await;
+        let r = &m.recorder;
+        assert_eq!((m.scheduled, r.answered, r.retries_sent), (60, 60, 0));
+        assert_eq!(r.first_counts, r.final_counts);
+        assert_eq!(r.final_counts[State::Queued.index()], 20);
+        let accepted: u64 = r.timeline.iter().map(|s| s.accepted).sum();
+        let other: u64 = r.timeline.iter().map(|s| s.other).sum();
+        assert_eq!((accepted, other), (20, 40));
+        assert_intents_add_up(&m);
+    }
+
+    /// Two event loops share the grid: together they release every request on time, and
+    /// their measurements merge.
+    #[tokio::test(flavor = "current_thread")]
+    async fn two_loops_keep_the_grid_together() {
+        let addr = slow_server(Duration::from_millis(0)).await;
+        let p = DriveParams { connections: 4, threads: 2, ..params(addr) };
+        let m = drive(p).await;
+        assert_eq!((m.scheduled, m.recorder.answered), (200, 200));
+        assert_eq!(m.trace.len(), 200);
+        for (i, t) in m.trace.iter().enumerate() {
+            assert_eq!((t.index, t.intended_us), (i as u64, i as u64 * 1_000));
+        }
+        assert_eq!(m.recorder.dispatch_lag.len(), 200);
+        assert_eq!(m.recorder.timeline[0].scheduled, 200);
+        assert!(m.cpu_ticks.is_some());
+        assert_intents_add_up(&m);
     }
 }

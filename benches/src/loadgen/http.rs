@@ -16,6 +16,7 @@
 //!
 //! Read next: `driver.rs`.
 
+use std::borrow::Cow;
 use std::io::Write as _;
 
 /// Longest response head accepted (the engine's heads are about 150 bytes).
@@ -81,10 +82,23 @@ impl State {
     }
 
     pub fn parse(text: &str) -> State {
-        State::ALL
-            .into_iter()
-            .find(|s| s.as_str() == text && *s != State::Other)
-            .unwrap_or(State::Other)
+        // A match, not a search of ALL: this runs once per answer.
+        match text {
+            "QUEUED" => State::Queued,
+            "QUEUED_PENDING" => State::QueuedPending,
+            "SOLD_OUT" => State::SoldOut,
+            "DUPLICATE_USER" => State::DuplicateUser,
+            "ACTIVITY_NOT_ACTIVE" => State::ActivityNotActive,
+            "IDEMPOTENCY_CONFLICT" => State::IdempotencyConflict,
+            "INVALID" => State::Invalid,
+            "UNAUTHORIZED" => State::Unauthorized,
+            "RATE_LIMITED" => State::RateLimited,
+            "OVERLOADED" => State::Overloaded,
+            "SUBMIT_CLOSED" => State::SubmitClosed,
+            "SYSTEM_BUSY" => State::SystemBusy,
+            "UNKNOWN" => State::Unknown,
+            _ => State::Other,
+        }
     }
 
     pub fn index(self) -> usize {
@@ -96,15 +110,105 @@ impl State {
         matches!(self, State::Queued | State::QueuedPending)
     }
 
-    /// Worth retrying with the same request id (the retry policy of issue 5): the outcome
-    /// is unknown, or nothing was done because the engine was busy.
+    /// Worth retrying with the same request id (CONTRACT.md 3.2, issue 24 item 3): nothing
+    /// was done because the engine or its dependencies were busy or closed for now
+    /// (`OVERLOADED`, `RATE_LIMITED`, `SUBMIT_CLOSED`, `SYSTEM_BUSY`, each with a
+    /// `Retry-After`), or the outcome is unknown (`UNKNOWN`: retry with the SAME id).
     pub fn is_retryable(self) -> bool {
-        matches!(self, State::Unknown | State::Overloaded | State::SystemBusy)
+        matches!(
+            self,
+            State::Overloaded
+                | State::RateLimited
+                | State::SubmitClosed
+                | State::SystemBusy
+                | State::Unknown
+        )
+    }
+
+    /// The engine shed this request (its admission limit was reached; nothing reserved).
+    pub fn is_shed(self) -> bool {
+        self == State::Overloaded
     }
 }
 
-/// Appends one submit request. `request_id` must already be valid
-/// (`[A-Za-z0-9_-]{1,64}`, checked once at configuration time for its prefix).
+/// The parts of a submit request that are the same for the whole run, joined once: encoding
+/// a request is then six copies and two numbers, no formatting machinery and no allocation
+/// (the buffer is reused). The bytes are exactly those [`encode_submit`] documents.
+#[derive(Debug, Clone)]
+pub struct SubmitTemplate {
+    /// `POST /v1/reservations HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer `
+    head: Vec<u8>,
+    /// `{"activity_id":{a},"sku_id":{s},"request_id":"{run_id}-`
+    body_prefix: Vec<u8>,
+}
+
+/// Between the pass and the body's length.
+const SUBMIT_MID: &[u8] = b"\r\nContent-Type: application/json\r\nContent-Length: ";
+/// After the request id's sequence number.
+const SUBMIT_BODY_SUFFIX: &[u8] = br#"","quantity":1}"#;
+
+impl SubmitTemplate {
+    /// `run_id` must already be valid (`[A-Za-z0-9_-]`, at most 43 characters: checked once
+    /// at configuration time), so that `{run_id}-{seq}` is a valid request id.
+    pub fn new(host: &str, activity_id: u64, sku_id: u64, run_id: &str) -> SubmitTemplate {
+        let mut head = Vec::with_capacity(64 + host.len());
+        head.extend_from_slice(b"POST /v1/reservations HTTP/1.1\r\nHost: ");
+        head.extend_from_slice(host.as_bytes());
+        head.extend_from_slice(b"\r\nAuthorization: Bearer ");
+        let mut body_prefix = Vec::with_capacity(96);
+        body_prefix.extend_from_slice(br#"{"activity_id":"#);
+        push_u64(&mut body_prefix, activity_id);
+        body_prefix.extend_from_slice(br#","sku_id":"#);
+        push_u64(&mut body_prefix, sku_id);
+        body_prefix.extend_from_slice(br#","request_id":""#);
+        body_prefix.extend_from_slice(run_id.as_bytes());
+        body_prefix.push(b'-');
+        SubmitTemplate { head, body_prefix }
+    }
+
+    /// Appends the submit of request id `{run_id}-{seq}` with `pass`.
+    pub fn encode(&self, buf: &mut Vec<u8>, pass: &str, seq: u64) {
+        let mut digits = [0u8; 20];
+        let seq_digits = u64_digits(seq, &mut digits);
+        let body_len = self.body_prefix.len() + seq_digits.len() + SUBMIT_BODY_SUFFIX.len();
+        buf.extend_from_slice(&self.head);
+        buf.extend_from_slice(pass.as_bytes());
+        buf.extend_from_slice(SUBMIT_MID);
+        push_u64(buf, body_len as u64);
+        buf.extend_from_slice(b"\r\n\r\n");
+        buf.extend_from_slice(&self.body_prefix);
+        buf.extend_from_slice(seq_digits);
+        buf.extend_from_slice(SUBMIT_BODY_SUFFIX);
+    }
+}
+
+/// The decimal digits of `n`, written at the end of `out`.
+fn u64_digits(mut n: u64, out: &mut [u8; 20]) -> &[u8] {
+    let mut at = out.len();
+    loop {
+        at -= 1;
+        out[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &out[at..];
+        }
+    }
+}
+
+fn push_u64(buf: &mut Vec<u8>, n: u64) {
+    let mut digits = [0u8; 20];
+    buf.extend_from_slice(u64_digits(n, &mut digits));
+}
+
+/// Appends one submit request:
+///
+/// ```text
+/// POST /v1/reservations HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {pass}\r\n
+/// Content-Type: application/json\r\nContent-Length: {n}\r\n\r\n
+/// {"activity_id":{a},"sku_id":{s},"request_id":"{run_id}-{seq}","quantity":1}
+/// ```
+///
+/// One-off convenience over [`SubmitTemplate`] (which the driver builds once per run).
 pub fn encode_submit(
     buf: &mut Vec<u8>,
     host: &str,
@@ -113,23 +217,7 @@ pub fn encode_submit(
     sku_id: u64,
     request_id: (&str, u64),
 ) {
-    // The body is formatted first, on the stack, because the head carries its length; no
-    // allocation per request. 160 bytes hold the longest body: 3 × 20 digits, a 64-byte id
-    // and 60 bytes of JSON.
-    let mut body = [0u8; 160];
-    let mut cursor = std::io::Cursor::new(&mut body[..]);
-    let _ = write!(
-        cursor,
-        r#"{{"activity_id":{activity_id},"sku_id":{sku_id},"request_id":"{}-{}","quantity":1}}"#,
-        request_id.0, request_id.1
-    );
-    let body_len = cursor.position() as usize;
-    let _ = write!(
-        buf,
-        "POST /v1/reservations HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {pass}\r\n\
-         Content-Type: application/json\r\nContent-Length: {body_len}\r\n\r\n"
-    );
-    buf.extend_from_slice(&body[..body_len]);
+    SubmitTemplate::new(host, activity_id, sku_id, request_id.0).encode(buf, pass, request_id.1);
 }
 
 /// Appends any request with an optional bearer token and JSON body (admin calls).
@@ -181,6 +269,9 @@ pub struct Response<'a> {
     pub body: &'a [u8],
     /// The server said `Connection: close`: nothing more will come on this stream.
     pub close: bool,
+    /// `Retry-After` in delta-seconds (an HTTP-date, which the engine never sends, is
+    /// ignored); the body's `retry_after_ms` is the finer hint and wins when both are there.
+    pub retry_after_s: Option<u64>,
     /// Bytes of the buffer this response used (head and body).
     pub len: usize,
 }
@@ -201,6 +292,7 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<Response<'_>>, ResponseError>
     let status = parse_status_line(lines.next().unwrap_or_default())?;
     let mut length: Option<usize> = None;
     let mut close = false;
+    let mut retry_after_s = None;
     for line in lines {
         let colon = line.iter().position(|&b| b == b':').ok_or(ResponseError::Header)?;
         let (name, value) = (&line[..colon], trim(&line[colon + 1..]));
@@ -213,6 +305,8 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<Response<'_>>, ResponseError>
             return Err(ResponseError::Framing);
         } else if name.eq_ignore_ascii_case(b"connection") {
             close = value.eq_ignore_ascii_case(b"close");
+        } else if name.eq_ignore_ascii_case(b"retry-after") {
+            retry_after_s = parse_delta_seconds(value);
         }
     }
     let length = match (length, status) {
@@ -226,7 +320,15 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<Response<'_>>, ResponseError>
     if buf.len() < total {
         return Ok(None);
     }
-    Ok(Some(Response { status, body: &buf[body_start..total], close, len: total }))
+    Ok(Some(Response { status, body: &buf[body_start..total], close, retry_after_s, len: total }))
+}
+
+/// `Retry-After: 120` (RFC 9110 10.2.3 delta-seconds); `None` for a date or garbage.
+fn parse_delta_seconds(value: &[u8]) -> Option<u64> {
+    if value.is_empty() || value.len() > 10 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(value.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
 }
 
 fn find_head_end(buf: &[u8]) -> Option<usize> {
@@ -268,11 +370,12 @@ fn trim(mut s: &[u8]) -> &[u8] {
     s
 }
 
-/// What a submit answer says, as far as the load generator cares.
+/// What a submit answer says, as far as the load generator cares (borrowed from the read
+/// buffer: nothing is allocated per answer).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SubmitAnswer {
+pub struct SubmitAnswer<'a> {
     pub state: State,
-    pub reservation_id: Option<String>,
+    pub reservation_id: Option<Cow<'a, str>>,
     pub retry_after_ms: Option<u64>,
     pub replayed: bool,
 }
@@ -280,30 +383,176 @@ pub struct SubmitAnswer {
 #[derive(serde::Deserialize)]
 struct Body<'a> {
     #[serde(borrow)]
-    state: Option<std::borrow::Cow<'a, str>>,
+    state: Option<Cow<'a, str>>,
     #[serde(borrow)]
-    reservation_id: Option<std::borrow::Cow<'a, str>>,
+    reservation_id: Option<Cow<'a, str>>,
     retry_after_ms: Option<u64>,
     replayed: Option<bool>,
 }
 
-impl SubmitAnswer {
+impl<'a> SubmitAnswer<'a> {
+    const OTHER: SubmitAnswer<'static> = SubmitAnswer {
+        state: State::Other,
+        reservation_id: None,
+        retry_after_ms: None,
+        replayed: false,
+    };
+
     /// Reads the body; a body that is not the contract's JSON is state `OTHER`.
-    pub fn parse(body: &[u8]) -> SubmitAnswer {
-        match serde_json::from_slice::<Body<'_>>(body) {
+    ///
+    /// The engine's answers are one flat object of strings, integers and booleans
+    /// (CONTRACT.md 3.2), which [`scan_flat`] reads in one pass; anything it is not sure of
+    /// (an escape, a nested value, a repeated field, a float) goes to serde_json, so the
+    /// answer is always the one serde_json would give.
+    pub fn parse(body: &'a [u8]) -> SubmitAnswer<'a> {
+        if let Some(answer) = scan_flat(body) {
+            return answer;
+        }
+        match serde_json::from_slice::<Body<'a>>(body) {
             Ok(b) => SubmitAnswer {
                 state: b.state.as_deref().map_or(State::Other, State::parse),
-                reservation_id: b.reservation_id.map(|r| r.into_owned()),
+                reservation_id: b.reservation_id,
                 retry_after_ms: b.retry_after_ms,
                 replayed: b.replayed.unwrap_or(false),
             },
-            Err(_) => SubmitAnswer {
-                state: State::Other,
-                reservation_id: None,
-                retry_after_ms: None,
-                replayed: false,
-            },
+            Err(_) => SubmitAnswer::OTHER,
         }
+    }
+}
+
+/// One value of a flat JSON object, as far as [`scan_flat`] reads it.
+enum Flat<'a> {
+    Str(&'a str),
+    Uint(u64),
+    Bool(bool),
+    Null,
+}
+
+/// Reads a flat JSON object `{"k":v,...}` whose values are strings without escapes, unsigned
+/// integers, booleans or null; `None` for anything else (the caller then asks serde_json).
+fn scan_flat(body: &[u8]) -> Option<SubmitAnswer<'_>> {
+    // serde_json refuses a body that is not UTF-8 anywhere; so does this.
+    let text = std::str::from_utf8(body).ok()?;
+    let mut s = Scanner { text, at: 0 };
+    let mut answer = SubmitAnswer::OTHER;
+    let mut known = [false; 4];
+    s.skip_ws();
+    s.expect(b'{')?;
+    s.skip_ws();
+    if s.peek() == Some(b'}') {
+        s.at += 1;
+    } else {
+        loop {
+            s.skip_ws();
+            let key = s.plain_string()?;
+            s.skip_ws();
+            s.expect(b':')?;
+            s.skip_ws();
+            let value = s.value()?;
+            let slot = match key {
+                "state" => 0,
+                "reservation_id" => 1,
+                "retry_after_ms" => 2,
+                "replayed" => 3,
+                _ => usize::MAX,
+            };
+            if slot != usize::MAX {
+                // serde_json refuses a repeated field.
+                if std::mem::replace(&mut known[slot], true) {
+                    return None;
+                }
+                match (slot, value) {
+                    (_, Flat::Null) => {}
+                    (0, Flat::Str(v)) => answer.state = State::parse(v),
+                    (1, Flat::Str(v)) => answer.reservation_id = Some(Cow::Borrowed(v)),
+                    (2, Flat::Uint(v)) => answer.retry_after_ms = Some(v),
+                    (3, Flat::Bool(v)) => answer.replayed = v,
+                    // A field of the wrong type: serde_json's error, not ours to guess.
+                    _ => return None,
+                }
+            }
+            s.skip_ws();
+            match s.next()? {
+                b',' => continue,
+                b'}' => break,
+                _ => return None,
+            }
+        }
+    }
+    s.skip_ws();
+    (s.at == text.len()).then_some(answer)
+}
+
+struct Scanner<'a> {
+    text: &'a str,
+    at: usize,
+}
+
+impl<'a> Scanner<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.text.as_bytes().get(self.at).copied()
+    }
+
+    fn next(&mut self) -> Option<u8> {
+        let b = self.peek()?;
+        self.at += 1;
+        Some(b)
+    }
+
+    fn expect(&mut self, b: u8) -> Option<()> {
+        (self.next()? == b).then_some(())
+    }
+
+    fn skip_ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.at += 1;
+        }
+    }
+
+    /// A string without escapes or control characters (JSON forbids raw ones).
+    fn plain_string(&mut self) -> Option<&'a str> {
+        self.expect(b'"')?;
+        let start = self.at;
+        loop {
+            match self.next()? {
+                b'"' => return self.text.get(start..self.at - 1),
+                b'\\' => return None,
+                b if b < 0x20 => return None,
+                _ => {}
+            }
+        }
+    }
+
+    fn value(&mut self) -> Option<Flat<'a>> {
+        match self.peek()? {
+            b'"' => self.plain_string().map(Flat::Str),
+            b'0'..=b'9' => self.uint().map(Flat::Uint),
+            b't' => self.word("true").map(|()| Flat::Bool(true)),
+            b'f' => self.word("false").map(|()| Flat::Bool(false)),
+            b'n' => self.word("null").map(|()| Flat::Null),
+            _ => None,
+        }
+    }
+
+    /// `0` or `[1-9][0-9]*` that fits a u64 and is not followed by a fraction or exponent.
+    fn uint(&mut self) -> Option<u64> {
+        let bytes = self.text.as_bytes();
+        let start = self.at;
+        while bytes.get(self.at).is_some_and(u8::is_ascii_digit) {
+            self.at += 1;
+        }
+        let digits = &bytes[start..self.at];
+        if (digits.len() > 1 && digits[0] == b'0')
+            || matches!(self.peek(), Some(b'.' | b'e' | b'E'))
+        {
+            return None;
+        }
+        digits.iter().try_fold(0u64, |n, d| n.checked_mul(10)?.checked_add(u64::from(d - b'0')))
+    }
+
+    fn word(&mut self, word: &str) -> Option<()> {
+        let end = self.at + word.len();
+        (self.text.get(self.at..end)? == word).then(|| self.at = end)
     }
 }
 
@@ -400,5 +649,89 @@ mod tests {
                 assert_eq!(State::parse(s.as_str()), s);
             }
         }
+    }
+
+    #[test]
+    fn retry_after_header_is_read_in_seconds() {
+        let raw =
+            b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\ncontent-length: 2\r\n\r\n{}";
+        assert_eq!(parse_response(raw).unwrap().unwrap().retry_after_s, Some(2));
+        let date = b"HTTP/1.1 503 X\r\nretry-after: Fri, 31 Dec 1999 23:59:59 GMT\r\n\
+                     content-length: 0\r\n\r\n";
+        assert_eq!(parse_response(date).unwrap().unwrap().retry_after_s, None);
+        let none = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        assert_eq!(parse_response(none).unwrap().unwrap().retry_after_s, None);
+    }
+
+    /// The template writes, request after request, what a fresh `encode_submit` writes.
+    #[test]
+    fn template_encodes_like_encode_submit_into_a_reused_buffer() {
+        let template = SubmitTemplate::new("127.0.0.1:8080", 10_001, 20_001, "lgx");
+        let mut buf = Vec::new();
+        for seq in [0u64, 9, 10, 99, 12_345, u64::MAX] {
+            buf.clear();
+            template.encode(&mut buf, "v1.dev.7.10001.99.sig", seq);
+            let mut fresh = Vec::new();
+            encode_submit(
+                &mut fresh,
+                "127.0.0.1:8080",
+                "v1.dev.7.10001.99.sig",
+                10_001,
+                20_001,
+                ("lgx", seq),
+            );
+            assert_eq!(buf, fresh);
+            let text = String::from_utf8(buf.clone()).unwrap();
+            let (head, body) = text.split_once("\r\n\r\n").unwrap();
+            assert!(head.ends_with(&format!("Content-Length: {}", body.len())), "{text}");
+            assert!(body.contains(&format!(r#""request_id":"lgx-{seq}""#)), "{text}");
+        }
+    }
+
+    /// The one-pass scanner gives serde_json's answer on every body: the engine's, and odd
+    /// ones it must hand over (escapes, nesting, repeated or mistyped fields, junk).
+    #[test]
+    fn scanner_agrees_with_serde_json() {
+        let bodies: &[&[u8]] = &[
+            br#"{"request_id":"lg1-5","state":"SOLD_OUT"}"#,
+            br#"{"request_id":"lg1-5","state":"QUEUED","reservation_id":"resv_01J","replayed":true}"#,
+            br#"{"request_id":"r","state":"OVERLOADED","reason_code":"IN_FLIGHT","retry_after_ms":137}"#,
+            br#" { "state" : "SYSTEM_BUSY" , "retry_after_ms" : 0 } "#,
+            br#"{}"#,
+            br#"{"state":null,"replayed":null,"retry_after_ms":null}"#,
+            br#"{"state":"QUE\u0055ED"}"#,
+            br#"{"state":"SOLD_OUT","extra":{"nested":[1,2]}}"#,
+            br#"{"state":"SOLD_OUT","extra":1.5e3}"#,
+            br#"{"state":"SOLD_OUT","state":"QUEUED"}"#,
+            br#"{"state":5}"#,
+            br#"{"state":"SOLD_OUT","retry_after_ms":-1}"#,
+            br#"{"state":"SOLD_OUT","retry_after_ms":1.0}"#,
+            br#"{"state":"SOLD_OUT","retry_after_ms":012}"#,
+            br#"{"state":"SOLD_OUT","retry_after_ms":99999999999999999999999}"#,
+            br#"{"state":"SOLD_OUT"} trailing"#,
+            br#"{"state":"SOLD_OUT",}"#,
+            br#"{"state":"SOLD_OUT""#,
+            br#"["SOLD_OUT"]"#,
+            b"{\"state\":\"SOLD\tOUT\"}",
+            b"{\"state\":\"SOLD_OUT\",\"x\":\"\xff\"}",
+            br#"{"replayed":true,"reservation_id":"resv_a","state":"DUPLICATE_USER"}"#,
+            b"",
+            b"not json",
+        ];
+        for body in bodies {
+            let fallback = match serde_json::from_slice::<Body<'_>>(body) {
+                Ok(b) => SubmitAnswer {
+                    state: b.state.as_deref().map_or(State::Other, State::parse),
+                    reservation_id: b.reservation_id,
+                    retry_after_ms: b.retry_after_ms,
+                    replayed: b.replayed.unwrap_or(false),
+                },
+                Err(_) => SubmitAnswer::OTHER,
+            };
+            assert_eq!(SubmitAnswer::parse(body), fallback, "{}", String::from_utf8_lossy(body));
+        }
+        // The engine's own answers never leave the fast path.
+        assert!(scan_flat(bodies[1]).is_some() && scan_flat(bodies[2]).is_some());
+        assert!(scan_flat(bodies[6]).is_none() && scan_flat(bodies[7]).is_none());
     }
 }

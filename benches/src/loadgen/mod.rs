@@ -10,7 +10,9 @@
 //!   users and duplicate re-sends.
 //! - `http` — sans-I/O: request bytes, response framing, the submit states.
 //! - `stats` — HdrHistograms per state, counts, timeline, what was seen.
-//! - `driver` — tokio: dispatcher, bounded send queue, connections, retries, progress.
+//! - `driver` — the threads: one `event_loop` each (epoll: schedule, bounded send queue,
+//!   connections, retry timers), merged after the run; the progress line.
+//! - `retry` — sans-I/O: which answers are retried, after how long, within what bounds.
 //! - `redis`, `verify` — the checks after the run.
 //! - `report`, `svg` — the outputs. `config`, `cli` — the knobs.
 //! - `search` — `--max-rate-search`: steps the rate up, then bisects, to the highest rate
@@ -23,10 +25,12 @@
 pub mod cli;
 pub mod config;
 pub mod driver;
+mod event_loop;
 pub mod http;
 pub mod proc;
 pub mod redis;
 pub mod report;
+pub mod retry;
 pub mod schedule;
 pub mod search;
 pub mod stats;
@@ -39,9 +43,10 @@ use std::time::Duration;
 use flashsale_engine::logic::ids::{ActivityId, UserId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-pub use config::{ConfigError, LoadConfig, Progress, RetryPolicy};
+pub use config::{ConfigError, LoadConfig, Progress};
 pub use http::State;
 pub use report::Report;
+pub use retry::{RetryPolicy, SameId};
 pub use schedule::Profile;
 
 /// Why a run could not produce a report (or its files).
@@ -56,7 +61,8 @@ pub enum LoadError {
     Output { path: String, message: String },
 }
 
-/// The generator's tokio runtime (`--threads` workers).
+/// The generator's tokio runtime (`--threads` workers) for set-up and checks; the load
+/// itself runs on the driver's own event-loop threads.
 pub(crate) fn runtime(config: &LoadConfig) -> Result<tokio::runtime::Runtime, LoadError> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.threads)
@@ -139,6 +145,7 @@ fn drive_params(
         duration_ms: config.duration_ms,
         connections: config.connections,
         pipeline: config.pipeline,
+        threads: config.threads,
         users: config.users,
         duplicate_ratio: config.duplicate_ratio,
         seed: config.seed,
@@ -168,10 +175,8 @@ fn run_info(config: &LoadConfig) -> report::RunInfo {
         pipeline: config.pipeline,
         users: config.users,
         duplicate_ratio: config.duplicate_ratio,
-        retry: match config.retry {
-            RetryPolicy::Off => "off".to_owned(),
-            RetryPolicy::SameId { retry_max } => format!("same-id x{retry_max}"),
-        },
+        retry: config.retry.describe(),
+        threads: config.threads,
         seed: config.seed,
     }
 }

@@ -6,6 +6,14 @@
 //! `orders_within_3s_ratio` and `invariants {no_oversell, one_per_user, tokens_conserved,
 //! nothing_lost, ok}` — the last three `null` when the stores were not checked.
 //!
+//! Per attempt vs per buyer (issue 24 item 3): `counts`, `latency_ms*` count every answer,
+//! retries included, each from its own intended send. `first_counts` / `final_counts` count
+//! each intent's (a buyer's click's) first and final answer; `time_to_final_ms` (and
+//! `_by_state`, by final state) is each intent's time from its first intended send to its
+//! final answer, retry waits included; `intents` says how the others ended. `throughput[]`
+//! splits each second's answers into `accepted`, `sold_out`, `shed` (OVERLOADED), `other`.
+//! `client_cpu` is the generator's own CPU per answer (issue 25 item 5).
+//!
 //! Read next: `svg.rs`.
 
 use std::collections::BTreeMap;
@@ -15,7 +23,7 @@ use hdrhistogram::Histogram;
 
 use super::driver::{Measured, TraceEntry};
 use super::http::State;
-use super::stats::{ErrorCounts, LatencySummary, SecondCounts};
+use super::stats::{ErrorCounts, IntentCounts, LatencySummary, SecondCounts, ATTEMPTS_TRACKED_MAX};
 use super::verify::{Invariants, OrderView, RedisView, Verification};
 
 /// Points per percentile curve: x from 0 to 4 "nines" (0% .. 99.99%) in steps of 0.05.
@@ -40,6 +48,30 @@ pub struct RunInfo {
     pub duplicate_ratio: f64,
     pub retry: String,
     pub seed: u64,
+    /// Event-loop threads of the generator.
+    #[serde(default)]
+    pub threads: usize,
+}
+
+/// How the scheduled intents ended (each is one buyer's click).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct IntentReport {
+    /// Intents the schedule released (`scheduled`).
+    pub scheduled: u64,
+    #[serde(flatten)]
+    pub counts: IntentCounts,
+    /// Answered intents by the number of attempts they took (`"1"`: answered at once).
+    pub attempts: BTreeMap<String, u64>,
+}
+
+/// The generator's own CPU over the run (from before its connections opened to after its
+/// last answer; `/proc/self/stat`, every thread).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ClientCpu {
+    pub cpu_s: f64,
+    /// CPU per answer read (retries included), µs: the instrument's cost per request, to be
+    /// held against wrk's (`benches/client-cost.sh`).
+    pub us_per_answer: Option<f64>,
 }
 
 /// One point of a percentile curve: x in "nines" (`-log10(1 - p)`), the percentile, ms.
@@ -89,7 +121,26 @@ pub struct Report {
     /// How late the generator's dispatcher released requests (its own lag alone; included in
     /// `send_lag_ms`). Well above 0.1 ms means the generator, not the target, was the limit.
     pub dispatch_lag_ms: LatencySummary,
+    /// Every answer per state (retries included).
     pub counts: BTreeMap<String, u64>,
+    /// Each intent's first answer, per state.
+    #[serde(default)]
+    pub first_counts: BTreeMap<String, u64>,
+    /// Each intent's final answer (its last; it was not retried after it), per state.
+    #[serde(default)]
+    pub final_counts: BTreeMap<String, u64>,
+    /// How the intents ended.
+    #[serde(default)]
+    pub intents: IntentReport,
+    /// Each answered intent's time from its first intended send to its final answer, retry
+    /// waits included (the buyer's wait), overall and by final state.
+    #[serde(default)]
+    pub time_to_final_ms: LatencySummary,
+    #[serde(default)]
+    pub time_to_final_ms_by_state: BTreeMap<String, LatencySummary>,
+    /// `time_to_final_ms` by percentile (the picture's dashed curve).
+    #[serde(default)]
+    pub time_to_final_curve: Vec<CurvePoint>,
     /// Answers with `replayed: true`, per state.
     pub replayed: BTreeMap<String, u64>,
     pub http_status: BTreeMap<String, u64>,
@@ -112,6 +163,9 @@ pub struct Report {
     /// When the run started and sold out, for aligning other measurements with it.
     #[serde(default)]
     pub timing: RunTiming,
+    /// The generator's own CPU; `None` where `/proc` could not be read.
+    #[serde(default)]
+    pub client_cpu: Option<ClientCpu>,
     /// Latency by percentile, overall (`ALL`) and per state with answers.
     pub percentile_curves: BTreeMap<String, Vec<CurvePoint>>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -124,8 +178,34 @@ impl Report {
         let mut latency_ms_by_state = BTreeMap::new();
         let mut counts = BTreeMap::new();
         let mut replayed = BTreeMap::new();
+        let mut first_counts = BTreeMap::new();
+        let mut final_counts = BTreeMap::new();
+        let mut time_to_final_ms_by_state = BTreeMap::new();
         let mut percentile_curves = BTreeMap::new();
         percentile_curves.insert("ALL".to_owned(), curve(&r.overall));
+        for s in State::ALL {
+            let name = || s.as_str().to_owned();
+            if r.first_counts[s.index()] > 0 {
+                first_counts.insert(name(), r.first_counts[s.index()]);
+            }
+            if r.final_counts[s.index()] > 0 {
+                final_counts.insert(name(), r.final_counts[s.index()]);
+                let h = &r.time_to_final_by_state[s.index()];
+                time_to_final_ms_by_state.insert(name(), LatencySummary::of(h));
+            }
+        }
+        let attempts = (1..=ATTEMPTS_TRACKED_MAX)
+            .filter(|n| r.final_attempts[*n] > 0)
+            .map(|n| (n.to_string(), r.final_attempts[n]))
+            .collect();
+        let client_cpu = m.cpu_ticks.map(|ticks| {
+            let cpu_s = ticks as f64 / super::proc::TICKS_PER_S;
+            ClientCpu {
+                cpu_s: round3(cpu_s),
+                us_per_answer: (r.answered > 0)
+                    .then(|| (cpu_s * 1e6 / r.answered as f64 * 100.0).round() / 100.0),
+            }
+        });
         for s in State::ALL {
             let n = r.count(s);
             if n == 0 {
@@ -158,6 +238,12 @@ impl Report {
             send_lag_ms: LatencySummary::of(&r.send_lag),
             dispatch_lag_ms: LatencySummary::of(&r.dispatch_lag),
             counts,
+            first_counts,
+            final_counts,
+            intents: IntentReport { scheduled: m.scheduled, counts: r.intents, attempts },
+            time_to_final_ms: LatencySummary::of(&r.time_to_final),
+            time_to_final_ms_by_state,
+            time_to_final_curve: curve(&r.time_to_final),
             replayed,
             http_status,
             errors: r.errors,
@@ -177,6 +263,7 @@ impl Report {
                 first_sold_out_us: r.first_sold_out_us,
                 last_answer_us: m.last_answer_us,
             },
+            client_cpu,
             percentile_curves,
             trace: m.trace,
             run,
@@ -256,6 +343,7 @@ impl Report {
             let n = self.counts.get(state).copied().unwrap_or(0);
             row(state, n, self.replayed.get(state).copied().unwrap_or(0), s);
         }
+        t.push_str(&self.render_buyers());
         let _ = writeln!(
             t,
             "\nreservations: {} new answers, {} distinct ids for {} users; users named two ids: {}",
@@ -292,6 +380,60 @@ impl Report {
             );
         }
         t.push_str(&render_invariants(&self.invariants));
+        t
+    }
+
+    /// The buyers' view: first and final answers, how intents ended, time to final answer.
+    fn render_buyers(&self) -> String {
+        let mut t = String::new();
+        let n = &self.intents.counts;
+        let _ = writeln!(
+            t,
+            "\nbuyers (intents): {} scheduled, {} with a final answer ({} retried), {} failed, \
+             {} dropped, {} unsent; gave up retrying: {} at --retry-max, {} at the budget, {} \
+             queue full, {} at the end",
+            self.intents.scheduled,
+            n.final_answered,
+            n.retried,
+            n.failed,
+            n.dropped,
+            n.unsent,
+            n.gave_up_retry_max,
+            n.gave_up_budget,
+            n.gave_up_queue_full,
+            n.gave_up_run_end
+        );
+        let _ = writeln!(
+            t,
+            "{:<22}{:>9}{:>9}{:>10}{:>10}{:>10}{:>10}   (first / final answer; time to final ms \
+             from the first intended send, retry waits included)",
+            "state", "first", "final", "p50", "p99", "p99.9", "max"
+        );
+        let mut row = |name: &str, first: u64, last: u64, s: &LatencySummary| {
+            let _ = writeln!(
+                t,
+                "{name:<22}{first:>9}{last:>9}{:>10.3}{:>10.3}{:>10.3}{:>10.3}",
+                s.p50, s.p99, s.p999, s.max
+            );
+        };
+        let first_all = self.first_counts.values().sum();
+        row("ALL", first_all, n.final_answered, &self.time_to_final_ms);
+        let states: std::collections::BTreeSet<&String> =
+            self.first_counts.keys().chain(self.final_counts.keys()).collect();
+        for state in states {
+            let first = self.first_counts.get(state).copied().unwrap_or(0);
+            let last = self.final_counts.get(state).copied().unwrap_or(0);
+            let summary = self.time_to_final_ms_by_state.get(state).copied().unwrap_or_default();
+            row(state, first, last, &summary);
+        }
+        if let Some(cpu) = &self.client_cpu {
+            let per = cpu.us_per_answer.map_or("-".to_owned(), |us| format!("{us:.2}"));
+            let _ = writeln!(
+                t,
+                "generator CPU: {:.3} s over the run, {per} us per answer ({} thread(s))",
+                cpu.cpu_s, self.run.threads
+            );
+        }
         t
     }
 }

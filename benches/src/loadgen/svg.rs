@@ -1,6 +1,9 @@
-//! The run's picture (issue 5 item 3): one SVG with (a) latency by percentile per response
-//! state — x on a "nines" scale (0, 90, 99, 99.9, 99.99 %), y in ms on a log scale — and
-//! (b) throughput over time, requests sent and answered per second.
+//! The run's picture (issue 5 item 3, issue 24 item 4): one SVG with (a) latency by
+//! percentile per response state — x on a "nines" scale (0, 90, 99, 99.9, 99.99 %), y in ms
+//! on a log scale — with the buyers' time to a final answer (retry waits included) dashed
+//! beside them, (b) throughput over time, requests scheduled, sent and answered per second,
+//! and (c) what the answers were each second: accepted (QUEUED / QUEUED_PENDING), sold out,
+//! shed (OVERLOADED) and the rest.
 //!
 //! Drawn with plotters' SVG backend only (no bitmap, no `ttf`): text goes into the SVG as
 //! `<text>` elements for the viewer to render, so nothing here reads system fonts and the
@@ -16,8 +19,11 @@ use super::report::Report;
 use super::stats::SecondCounts;
 
 const WIDTH_PX: u32 = 1_000;
-const HEIGHT_PX: u32 = 900;
+const HEIGHT_PX: u32 = 1_250;
 const LATENCY_PANEL_PX: u32 = 520;
+const THROUGHPUT_PANEL_PX: u32 = 365;
+/// The buyers' time-to-final curve's colour (dashed).
+const FINAL_COLOR: RGBColor = RGBColor(90, 90, 90);
 
 /// A fixed colour per state, so pictures of different runs compare at a glance.
 fn color(state: &str) -> RGBColor {
@@ -47,9 +53,11 @@ fn nines_label(x: f64) -> String {
 pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
     let root = SVGBackend::new(path, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
-    let (top, bottom) = root.split_vertically(LATENCY_PANEL_PX);
+    let (top, rest) = root.split_vertically(LATENCY_PANEL_PX);
+    let (middle, bottom) = rest.split_vertically(THROUGHPUT_PANEL_PX);
     draw_latency(report, &top)?;
-    draw_throughput(report, &bottom)?;
+    draw_throughput(report, &middle)?;
+    draw_answers(report, &bottom)?;
     root.present().map_err(|e| format!("write {}: {e}", path.display()))
 }
 
@@ -57,7 +65,7 @@ fn draw_latency<DB: DrawingBackend>(
     report: &Report,
     area: &DrawingArea<DB, plotters::coord::Shift>,
 ) -> Result<(), String> {
-    let points = report.percentile_curves.values().flatten();
+    let points = report.percentile_curves.values().flatten().chain(&report.time_to_final_curve);
     let y_max = points.clone().map(|p| p.ms).fold(1.0f64, f64::max) * 1.5;
     let y_min = points.map(|p| p.ms).filter(|ms| *ms > 0.0).fold(y_max, f64::min).max(0.001) / 1.5;
     let caption = format!(
@@ -102,6 +110,20 @@ fn draw_latency<DB: DrawingBackend>(
             .map_err(|e| e.to_string())?
             .label(format!("{state} ({n})"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+    }
+    if !report.time_to_final_curve.is_empty() {
+        let points: Vec<(f64, f64)> =
+            report.time_to_final_curve.iter().map(|p| (p.nines, p.ms.max(y_min))).collect();
+        chart
+            .draw_series(DashedLineSeries::new(points, 8, 5, FINAL_COLOR.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(format!(
+                "buyer's time to final answer ({})",
+                report.intents.counts.final_answered
+            ))
+            .legend(|(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], FINAL_COLOR.stroke_width(2))
+            });
     }
     chart
         .configure_series_labels()
@@ -166,6 +188,65 @@ fn draw_throughput<DB: DrawingBackend>(
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::LowerRight)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.85))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+/// What the answers of each second were: accepted, sold out, shed beside each other.
+fn draw_answers<DB: DrawingBackend>(
+    report: &Report,
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+) -> Result<(), String> {
+    let seconds = report.throughput.len().max(1) as f64;
+    let y_max = report
+        .throughput
+        .iter()
+        .map(|s| s.accepted.max(s.sold_out).max(s.shed).max(s.other))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64
+        * 1.15;
+    let shed_total: u64 = report.throughput.iter().map(|s| s.shed).sum();
+    let caption = format!(
+        "Answers per second: accepted, sold out, shed (OVERLOADED: {shed_total} in all), other"
+    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..seconds, 0f64..y_max)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds since start")
+        .y_desc("answers / s")
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    let series: [ThroughputSeries; 4] = [
+        ("accepted (QUEUED, QUEUED_PENDING)", color("QUEUED"), 3, |s| s.accepted),
+        ("sold out", color("SOLD_OUT"), 3, |s| s.sold_out),
+        ("shed (OVERLOADED)", color("OVERLOADED"), 3, |s| s.shed),
+        ("other", color("OTHER"), 2, |s| s.other),
+    ];
+    for (name, c, width, value) in series {
+        let values = report.throughput.iter().flat_map(|s| {
+            let v = value(s) as f64;
+            let x = f64::from(s.second);
+            [(x, v), (x + 1.0, v)]
+        });
+        chart
+            .draw_series(LineSeries::new(values, c.stroke_width(width)))
+            .map_err(|e| e.to_string())?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
         .border_style(BLACK)
         .background_style(WHITE.mix(0.85))
         .draw()
