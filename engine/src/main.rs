@@ -329,6 +329,7 @@ fn edge_config(config: &Config) -> anyhow::Result<flashsale_engine::shard::EdgeC
     let mut edge = flashsale_engine::app::serve::edge_config(config)?;
     edge.control = control_config(config)?;
     edge.admission = config.admission;
+    edge.overload = config.overload;
     if let Some(hex_key) = &config.payment_key {
         let key = flashsale_io::key::HmacKey::from_hex(hex_key)
             .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;

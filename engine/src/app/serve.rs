@@ -214,6 +214,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         // Above every SKU's own bound (partition.in_flight_max) times a few hot SKUs, below
         // the Redis connection's bound: a shard full of slow submits answers OVERLOADED.
         submit_in_flight_max: 4_096,
+        overload: crate::logic::overload::OverloadConfig::default(),
         // The budgets assume a sample at most two polls old (admission.rs, SloBasis).
         health_poll_ms: crate::logic::admission::SloBasis::MEASURED.lag_poll_ms,
         control: crate::durable::modes::ControlConfig::default(),
