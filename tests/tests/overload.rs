@@ -4,9 +4,10 @@
 //! flapping. The control runs the same drill with the limit pinned: nothing is shed and the
 //! balancer is never told, while every buyer waits on the slowed path.
 //!
-//! The slow path is real: Redis' writes are paused for 70 ms of every 80 (`CLIENT PAUSE
-//! WRITE`, below the 250 ms command deadline, so the Redis circuit stays closed and every
-//! reservation completes, slowly). The buyers stop when the slowing does: with no demand
+//! The slow path is real: Redis' writes are paused for 60 ms of every ~90 (`CLIENT PAUSE
+//! WRITE`, with `hz 100` so that a pause ends on time rather than at the next 100 ms cron
+//! tick), well below the 250 ms command deadline, so the Redis circuit stays closed and every
+//! reservation completes, slowly. The buyers stop when the slowing does: with no demand
 //! beyond it a floor is no longer overload, and readiness returns after `ready_after_ms`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,6 +24,10 @@ const SKU: u64 = 62;
 const STOCK: u64 = 100_000;
 const BUYERS: u64 = 12;
 const READY_AFTER_MS: u64 = 1_500;
+
+/// The drills run one at a time: each saturates both cores of a small box on purpose, and the
+/// other's set-up (PostgreSQL within its deadline) must not starve under it.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// Small windows and timers, so that the drill takes seconds.
 fn adaptive() -> OverloadConfig {
@@ -102,11 +107,12 @@ fn drill(engine: &Engine, slow: Duration, sample: Duration) -> Drill {
             })
         })
         .collect();
+    redis_cmd(&engine.redis, &["CONFIG", "SET", "hz", "100"]);
     let port = target.redis_port.to_string();
     let slower = std::thread::spawn(move || {
         while start.elapsed() < slow {
             let paused = std::process::Command::new("redis-cli")
-                .args(["-p", &port, "CLIENT", "PAUSE", "70", "WRITE"])
+                .args(["-p", &port, "CLIENT", "PAUSE", "60", "WRITE"])
                 .output()
                 .expect("redis-cli");
             assert!(paused.status.success());
@@ -172,6 +178,14 @@ fn changes(samples: &[(u64, bool)]) -> Vec<(u64, bool)> {
     out
 }
 
+fn by_state(answers: &[Answer]) -> std::collections::BTreeMap<&str, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for a in answers {
+        *counts.entry(a.state.as_str()).or_default() += 1;
+    }
+    counts
+}
+
 fn p99(answers: &[Answer]) -> Duration {
     let mut t: Vec<_> = answers.iter().map(|a| a.elapsed).collect();
     t.sort();
@@ -208,6 +222,7 @@ fn assert_shed_reserved_nothing(engine: &Engine, answers: &[Answer]) {
 
 #[test]
 fn sustained_overload_sheds_reserving_nothing_fails_readiness_and_recovers_without_flapping() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let engine = engine_with(adaptive());
     let d = drill(&engine, Duration::from_millis(2_500), Duration::from_millis(6_000));
     let shed: Vec<_> = d.answers.iter().filter(|a| a.state == "OVERLOADED").collect();
@@ -216,9 +231,9 @@ fn sustained_overload_sheds_reserving_nothing_fails_readiness_and_recovers_witho
         assert_eq!((a.status, a.reason.as_deref()), (429, Some("ADAPTIVE_LIMIT")));
         assert!(a.retry_after.is_some(), "OVERLOADED without Retry-After");
     }
-    let others: Vec<_> =
-        d.answers.iter().filter(|a| !a.state.starts_with("QUEUED") && a.state != "OVERLOADED").collect();
-    assert!(others.is_empty(), "unexpected answers: {:?}", others.iter().map(|a| &a.state).collect::<Vec<_>>());
+    let states = by_state(&d.answers);
+    let expected = |s: &str| s.starts_with("QUEUED") || s == "OVERLOADED";
+    assert!(states.keys().all(|s| expected(s)), "unexpected answers: {states:?}");
     assert_shed_reserved_nothing(&engine, &d.answers);
     // Readiness: ready, then not (sustained), then ready again — once each, no flapping —
     // and it came back no sooner than ready_after_ms after it went.
@@ -230,7 +245,12 @@ fn sustained_overload_sheds_reserving_nothing_fails_readiness_and_recovers_witho
     assert!(d.health.iter().any(|&(_, ready)| !ready), "the public health path never failed");
     assert!(d.health.last().unwrap().1, "the public health path did not recover");
     let text = engine.metrics();
-    assert!(flashsale_tests::metric(&text, "flashsale_admission_rejections_total{reason=\"ADAPTIVE_LIMIT\"}") >= shed.len() as u64);
+    assert!(
+        flashsale_tests::metric(
+            &text,
+            "flashsale_admission_rejections_total{reason=\"ADAPTIVE_LIMIT\"}"
+        ) >= shed.len() as u64
+    );
     assert!(text.contains("flashsale_admission_limit "), "limit gauge missing");
     eprintln!(
         "adaptive: {} answers, {} shed, p99 {:?}, unready {unready_ms} ms",
@@ -245,9 +265,11 @@ fn sustained_overload_sheds_reserving_nothing_fails_readiness_and_recovers_witho
 /// fails, and every buyer waits on the slowed path (its P99 is printed beside the other's).
 #[test]
 fn without_the_adaptive_limit_nothing_is_shed_and_the_balancer_is_never_told() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let engine = engine_with(pinned());
     let d = drill(&engine, Duration::from_millis(2_500), Duration::from_millis(3_000));
-    assert!(d.answers.iter().all(|a| a.state.starts_with("QUEUED")), "a pinned limit shed");
+    let states = by_state(&d.answers);
+    assert!(states.keys().all(|s| s.starts_with("QUEUED")), "answers: {states:?}");
     assert!(d.readyz.iter().all(|&(_, ready)| ready), "readiness failed without the limit");
     assert_shed_reserved_nothing(&engine, &d.answers);
     eprintln!("pinned: {} answers, p99 {:?}", d.answers.len(), p99(&d.answers));

@@ -355,7 +355,9 @@ impl OwnerState {
         let decision = decide_submit(&input, &self.limits.budgets, now_ms);
         // Everything else admits: the last word is the expensive path's own limit.
         let path = match (decision, &circuit) {
-            (Decision::Admit, Admit::Call(_)) => Some(self.overload.try_acquire(outside.draw as u32)),
+            (Decision::Admit, Admit::Call(_)) => {
+                Some(self.overload.try_acquire(outside.draw as u32))
+            }
             _ => None,
         };
         match (decision, circuit, path) {
@@ -892,7 +894,8 @@ mod tests {
     /// frees its place.
     #[test]
     fn past_the_adaptive_limit_new_requests_are_shed_and_replays_still_answered() {
-        let two = OverloadConfig { limit_min: 1, limit_max: 2, limit_initial: 2, ..limits().overload };
+        let two =
+            OverloadConfig { limit_min: 1, limit_max: 2, limit_initial: 2, ..limits().overload };
         let mut owner = OwnerState::new(OwnerLimits { overload: two, ..limits() }, [6; 32]);
         let h = hash(3);
         let (r1, r2, r3) = (request(2, "a", &h), request(2, "b", &h), request(2, "c", &h));

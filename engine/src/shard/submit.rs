@@ -36,9 +36,9 @@ use crate::logic::ids::UserId;
 use crate::logic::limiter;
 use crate::logic::metrics::ShardMetrics;
 use crate::logic::outcome::SubmitOutcome;
+use crate::logic::overload::Permit as PathPermit;
 use crate::logic::partition::FastPath;
 use crate::logic::placement::SkuKey;
-use crate::logic::overload::Permit as PathPermit;
 use crate::logic::submit::{
     Begin, Call, Outside, OwnerState, ReserveResult, SubmitAnswer, SubmitRequest,
 };
@@ -252,7 +252,7 @@ async fn owner_submit_inner(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> Sub
 async fn expensive_path(
     deps: &SubmitDeps<'_>,
     s: &SubmitRequest<'_>,
-    keys: &SkuKeys,
+    keys: &Rc<SkuKeys>,
     call: Call,
     now: u64,
 ) -> (SubmitAnswer, PathPermit) {
