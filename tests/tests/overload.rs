@@ -45,7 +45,7 @@ fn adaptive() -> OverloadConfig {
 }
 
 fn pinned() -> OverloadConfig {
-    OverloadConfig { limit_min: 4_096, limit_max: 4_096, limit_initial: 4_096, ..adaptive() }
+    OverloadConfig { limit_max: 4_096, ..adaptive() }.pinned()
 }
 
 /// One answer a buyer got.

@@ -182,6 +182,8 @@ pub struct WorkerSettings {
     pub fetch_max: Option<usize>,
     /// `[worker] batch_max`: messages per transaction on the per-message path (1..=64).
     pub batch_max: Option<usize>,
+    /// `[worker] nice`: the worker threads' niceness (0..=19; default 19).
+    pub nice: Option<i32>,
 }
 
 impl WorkerSettings {
@@ -202,6 +204,9 @@ impl WorkerSettings {
         }
         if let Some(v) = self.batch_max {
             worker.batch_max = v;
+        }
+        if let Some(v) = self.nice {
+            worker.nice = v;
         }
         let needed = worker.order_writers + worker.outbox_publishers + 1;
         worker.pg.pool_size = worker.pg.pool_size.max(needed);
@@ -294,10 +299,11 @@ struct WorkerSection {
     fetch_min: Option<usize>,
     fetch_max: Option<usize>,
     batch_max: Option<usize>,
+    nice: Option<i32>,
 }
 
 /// `[overload]`: the expensive path's adaptive limit (`logic::overload`; defaults there).
-/// `enabled = false` pins the limit at `limit_max` (no shedding by it, no readiness by it).
+/// Off unless `enabled = true`: pinned at `limit_max` (no shedding by it, no readiness by it).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct OverloadSection {
@@ -713,8 +719,8 @@ fn overload_settings(
         unready_after_ms: s.unready_after_ms.unwrap_or(d.unready_after_ms),
         ready_after_ms: s.ready_after_ms.unwrap_or(d.ready_after_ms),
     };
-    if s.enabled == Some(false) {
-        (c.limit_min, c.limit_initial) = (c.limit_max, c.limit_max);
+    if s.enabled != Some(true) {
+        c = c.pinned();
     }
     c.validate().map_err(|message| ConfigError::Invalid { name: "[overload]", message })?;
     Ok(c)
@@ -752,6 +758,7 @@ fn worker_settings(section: WorkerSection, env: &Env) -> Result<WorkerSettings, 
         fetch_min: section.fetch_min,
         fetch_max: section.fetch_max,
         batch_max: section.batch_max,
+        nice: section.nice,
     };
     // The worker's own validation names the knob that is out of bounds.
     let mut worker = flashsale_pg_worker::worker::WorkerConfig::default();
@@ -1026,6 +1033,25 @@ mod tests {
         let err =
             Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
         assert!(err.to_string().contains("[admission]"), "{err}");
+    }
+
+    #[test]
+    fn the_adaptive_limit_is_off_unless_enabled_and_its_bounds_are_validated() {
+        use crate::logic::overload::OverloadConfig;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let load = |text: &str| {
+            let path = dir.path().join("o.toml");
+            std::fs::write(&path, text).expect("w");
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path())
+        };
+        let off = load("[overload]\ntarget_ms = 10\n").expect("c").overload;
+        assert_eq!((off.limit_min, off.limit_max), (off.limit_max, 4_096), "pinned");
+        let on = load("[overload]\nenabled = true\ntarget_ms = 10\n").expect("c").overload;
+        assert_eq!(on, OverloadConfig { target_ms: 10, ..OverloadConfig::default() });
+        let err = load("[overload]\nenabled = true\nlimit_min = 0\n").unwrap_err();
+        assert!(err.to_string().contains("[overload]"), "{err}");
+        let err = load("[worker]\nnice = 20\n").unwrap_err();
+        assert!(err.to_string().contains("nice"), "{err}");
     }
 
     #[test]

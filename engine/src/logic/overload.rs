@@ -94,6 +94,13 @@ impl Default for OverloadConfig {
 }
 
 impl OverloadConfig {
+    /// The same bounds with the limit fixed at `limit_max`: no adaptation, no shedding below
+    /// it and no readiness by it (`[overload] enabled = false`, the default: README
+    /// "Admission" has the demo A/B that made it so).
+    pub fn pinned(self) -> OverloadConfig {
+        OverloadConfig { limit_min: self.limit_max, limit_initial: self.limit_max, ..self }
+    }
+
     /// Bounds that contradict each other are refused at start-up.
     pub fn validate(&self) -> Result<(), String> {
         if self.limit_min == 0 || self.limit_min > self.limit_max {
