@@ -323,12 +323,11 @@ fn pass_keys(
     }
 }
 
-/// The edge's configuration: the library's defaults for this `Config`, with the control key,
-/// the admission budgets and the payment key.
+/// The edge's configuration: the library's defaults for this `Config`, with the control key
+/// and the payment key.
 fn edge_config(config: &Config) -> anyhow::Result<flashsale_engine::shard::EdgeConfig> {
     let mut edge = flashsale_engine::app::serve::edge_config(config)?;
     edge.control = control_config(config)?;
-    edge.admission = config.admission;
     if let Some(hex_key) = &config.payment_key {
         let key = flashsale_io::key::HmacKey::from_hex(hex_key)
             .map_err(|e| anyhow::anyhow!("FLASHSALE_PAYMENT_KEY: {e}"))?;

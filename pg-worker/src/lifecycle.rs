@@ -17,7 +17,7 @@
 //! orders. Allowed moves: ACTIVE/PENDING → ENDED → TERMINATED, or straight to TERMINATED; a
 //! TERMINATED one never moves again.
 //!
-//! What it is not: the Redis writes or the HTTP answers (`engine/src/shard/lifecycle.rs`).
+//! What it is not: the Redis writes or the HTTP answers (`engine/src/shard/admin/lifecycle.rs`).
 
 use serde_json::json;
 use tokio_postgres::{Client, GenericClient};

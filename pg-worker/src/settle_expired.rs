@@ -5,7 +5,7 @@
 //! What it is: [`settle_expired`] (the argument why it is safe is on it) and [`Settled`].
 //!
 //! What it is not: the stuck scan or the Redis side of the compensation
-//! (`engine/src/shard/stuck.rs`), or a way around the writer: it calls [`write_batch`] with the
+//! (`engine/src/shard/admin/stuck.rs`), or a way around the writer: it calls [`write_batch`] with the
 //! message, under the order-writer's inbox key.
 //!
 //! Read next: `order_path.rs` (`write_batch`), `plan.rs` rule 3.

@@ -260,23 +260,13 @@ fn nats_down_is_queued_pending_and_the_scanner_republishes() {
     // Every reservation's message is in the log exactly once, whatever the number of
     // attempts (dedup by id), and the circuit closed again: new buyers are QUEUED.
     wait_for_ms("every pending reservation republished", 20_000, || {
-        stream_messages(&engine, "SECKILL_ORDERS") == reserved as u64
+        engine.stream_messages("SECKILL_ORDERS") == reserved as u64
     });
     wait_for_ms("submissions reopen", 10_000, || {
         let (_, v) = engine.submit(&mut c, 500, 31, 32, "reopen");
         state(&v) == "QUEUED"
     });
     engine.assert_reconciled(31, 32);
-}
-
-fn stream_messages(engine: &Engine, stream: &str) -> u64 {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    runtime.block_on(async {
-        let client = async_nats::connect(engine.nats.url()).await.unwrap();
-        let js = async_nats::jetstream::new(client);
-        let mut s = js.get_stream(stream).await.unwrap();
-        s.info().await.unwrap().state.messages
-    })
 }
 
 #[test]

@@ -14,6 +14,7 @@
 //!   connections, retry timers), merged after the run; the progress line.
 //! - `retry` — sans-I/O: which answers are retried, after how long, within what bounds.
 //! - `redis`, `verify` — the checks after the run.
+//! - `admission` — the engine's adaptive limit, sampled from `/metrics` during the run.
 //! - `report`, `svg` — the outputs. `config`, `cli` — the knobs.
 //! - `search` — `--max-rate-search`: steps the rate up, then bisects, to the highest rate
 //!   the target sustains (the bare-server baseline and the engine, same settings); `proc` —
@@ -22,6 +23,7 @@
 //! What it is not: a benchmark of the generator itself (see `send_lag_ms` in the report
 //! for whether it kept up), nor the demo (`flashsale demo` drives this).
 
+pub mod admission;
 pub mod cli;
 pub mod config;
 pub mod driver;
@@ -100,7 +102,15 @@ async fn run_async(config: &LoadConfig, resolved: &config::Resolved) -> Result<R
     }
     let passes = mint_passes(config, resolved)?;
     let params = drive_params(config, resolved, passes);
+    let sampler = resolved
+        .admin
+        .clone()
+        .map(|(admin, host)| admission::Sampler::start(admin, host, config.admin_token.clone()));
     let measured = driver::drive(params).await;
+    let admission = match sampler {
+        Some(sampler) => sampler.finish().await,
+        None => Vec::new(),
+    };
     let verification = match resolved.redis {
         Some(redis) => {
             if config.progress == Progress::Stderr {
@@ -125,7 +135,9 @@ async fn run_async(config: &LoadConfig, resolved: &config::Resolved) -> Result<R
         }
         None => None,
     };
-    Ok(Report::build(run_info(config), measured, verification))
+    let mut report = Report::build(run_info(config), measured, verification);
+    report.set_admission(&admission);
+    Ok(report)
 }
 
 /// What the driver needs for one run of `config`.

@@ -95,6 +95,17 @@ pub struct RunTiming {
     pub last_answer_us: u64,
 }
 
+/// The adaptive limit at one moment of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AdmissionPoint {
+    /// ms since the run's start (negative: sampled before it; dropped).
+    pub t_ms: u64,
+    pub limit: u64,
+    pub ready: bool,
+    /// Answers shed by the limit since the run started.
+    pub shed: u64,
+}
+
 /// Everything a run produced.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Report {
@@ -166,6 +177,10 @@ pub struct Report {
     /// The generator's own CPU; `None` where `/proc` could not be read.
     #[serde(default)]
     pub client_cpu: Option<ClientCpu>,
+    /// The engine's adaptive admission limit over the run (`admission.rs`), every 100 ms;
+    /// empty without `--admin` or against a target that exposes none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub admission: Vec<AdmissionPoint>,
     /// Latency by percentile, overall (`ALL`) and per state with answers.
     pub percentile_curves: BTreeMap<String, Vec<CurvePoint>>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -173,6 +188,22 @@ pub struct Report {
 }
 
 impl Report {
+    /// The samples of `admission.rs`, aligned with the run's start.
+    pub fn set_admission(&mut self, samples: &[super::admission::AdmissionSample]) {
+        let start = self.timing.started_unix_us;
+        let base = samples.iter().find(|s| s.at_unix_us >= start).map_or(0, |s| s.shed_total);
+        self.admission = samples
+            .iter()
+            .filter(|s| s.at_unix_us >= start)
+            .map(|s| AdmissionPoint {
+                t_ms: (s.at_unix_us - start) / 1_000,
+                limit: s.limit,
+                ready: s.ready,
+                shed: s.shed_total.saturating_sub(base),
+            })
+            .collect();
+    }
+
     pub fn build(run: RunInfo, m: Measured, v: Option<Verification>) -> Report {
         let r = &m.recorder;
         let mut latency_ms_by_state = BTreeMap::new();
@@ -264,6 +295,7 @@ impl Report {
                 last_answer_us: m.last_answer_us,
             },
             client_cpu,
+            admission: Vec::new(),
             percentile_curves,
             trace: m.trace,
             run,
@@ -344,6 +376,7 @@ impl Report {
             row(state, n, self.replayed.get(state).copied().unwrap_or(0), s);
         }
         t.push_str(&self.render_buyers());
+        t.push_str(&self.render_admission());
         let _ = writeln!(
             t,
             "\nreservations: {} new answers, {} distinct ids for {} users; users named two ids: {}",
@@ -381,6 +414,25 @@ impl Report {
         }
         t.push_str(&render_invariants(&self.invariants));
         t
+    }
+
+    /// The engine's adaptive limit over the run, when it was sampled.
+    fn render_admission(&self) -> String {
+        let points = &self.admission;
+        let (Some(first), Some(last)) = (points.first(), points.last()) else {
+            return String::new();
+        };
+        let (min, max) =
+            points.iter().fold((u64::MAX, 0), |(lo, hi), p| (lo.min(p.limit), hi.max(p.limit)));
+        let unready = points.iter().filter(|p| !p.ready).count();
+        format!(
+            "\nadaptive admission: limit {} at the start, {min}..{max} over the run, {} at the end; \
+             {} shed by it; unready in {unready} of {} samples (100 ms)\n",
+            first.limit,
+            last.limit,
+            last.shed,
+            points.len()
+        )
     }
 
     /// The buyers' view: first and final answers, how intents ended, time to final answer.

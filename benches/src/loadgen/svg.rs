@@ -2,8 +2,9 @@
 //! percentile per response state — x on a "nines" scale (0, 90, 99, 99.9, 99.99 %), y in ms
 //! on a log scale — with the buyers' time to a final answer (retry waits included) dashed
 //! beside them, (b) throughput over time, requests scheduled, sent and answered per second,
-//! and (c) what the answers were each second: accepted (QUEUED / QUEUED_PENDING), sold out,
-//! shed (OVERLOADED) and the rest.
+//! (c) what the answers were each second: accepted (QUEUED / QUEUED_PENDING), sold out,
+//! shed (OVERLOADED) and the rest, and (d) when the report has samples of it, the engine's
+//! adaptive admission limit over time with the stretches it kept the instance unready.
 //!
 //! Drawn with plotters' SVG backend only (no bitmap, no `ttf`): text goes into the SVG as
 //! `<text>` elements for the viewer to render, so nothing here reads system fonts and the
@@ -20,6 +21,8 @@ use super::stats::SecondCounts;
 
 const WIDTH_PX: u32 = 1_000;
 const HEIGHT_PX: u32 = 1_250;
+/// The admission panel's height, added below the others when the report has samples.
+const ADMISSION_PANEL_PX: u32 = 280;
 const LATENCY_PANEL_PX: u32 = 520;
 const THROUGHPUT_PANEL_PX: u32 = 365;
 /// The buyers' time-to-final curve's colour (dashed).
@@ -51,13 +54,18 @@ fn nines_label(x: f64) -> String {
 
 /// Writes the picture of `report` to `path`.
 pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
-    let root = SVGBackend::new(path, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+    let extra = if report.admission.is_empty() { 0 } else { ADMISSION_PANEL_PX };
+    let root = SVGBackend::new(path, (WIDTH_PX, HEIGHT_PX + extra)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let (top, rest) = root.split_vertically(LATENCY_PANEL_PX);
-    let (middle, bottom) = rest.split_vertically(THROUGHPUT_PANEL_PX);
+    let (middle, rest) = rest.split_vertically(THROUGHPUT_PANEL_PX);
+    let (bottom, last) = rest.split_vertically(HEIGHT_PX - LATENCY_PANEL_PX - THROUGHPUT_PANEL_PX);
     draw_latency(report, &top)?;
     draw_throughput(report, &middle)?;
     draw_answers(report, &bottom)?;
+    if extra > 0 {
+        draw_admission(report, &last)?;
+    }
     root.present().map_err(|e| format!("write {}: {e}", path.display()))
 }
 
@@ -244,6 +252,52 @@ fn draw_answers<DB: DrawingBackend>(
             .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
     }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.85))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+/// The adaptive limit (places on the expensive path) over the run; red bands where it kept
+/// the instance unready.
+fn draw_admission<DB: DrawingBackend>(
+    report: &Report,
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+) -> Result<(), String> {
+    let seconds = report.throughput.len().max(1) as f64;
+    let points = &report.admission;
+    let y_max = points.iter().map(|p| p.limit).max().unwrap_or(1).max(1) as f64 * 1.15;
+    let (min, max) =
+        points.iter().fold((u64::MAX, 0), |(lo, hi), p| (lo.min(p.limit), hi.max(p.limit)));
+    let caption = format!("Adaptive admission limit (places on the expensive path): {min}..{max}");
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..seconds, 0f64..y_max)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds since start")
+        .y_desc("limit")
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    let unready = points.iter().filter(|p| !p.ready).map(|p| {
+        let x = p.t_ms as f64 / 1e3;
+        Rectangle::new([(x, 0.0), (x + 0.1, y_max)], color("OVERLOADED").mix(0.2).filled())
+    });
+    chart.draw_series(unready).map_err(|e| e.to_string())?;
+    let line = points.iter().map(|p| (p.t_ms as f64 / 1e3, p.limit as f64));
+    chart
+        .draw_series(LineSeries::new(line, BLACK.stroke_width(2)))
+        .map_err(|e| e.to_string())?
+        .label("limit (red bands: not ready)")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(3)));
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperRight)

@@ -14,13 +14,13 @@
 //! - `flashsale admin stuck list --activity A --sku S`: the SKU's stuck reservations (oldest
 //!   first, with what each may be resolved by); `flashsale admin stuck resolve --activity A
 //!   --sku S --reservation R (--republish | --compensate)`: `POST
-//!   /admin/v1/activities/{a}/skus/{s}/stuck/{r}` (`shard/stuck.rs` says when each is allowed);
+//!   /admin/v1/activities/{a}/skus/{s}/stuck/{r}` (`shard/admin/stuck.rs` says when each is allowed);
 //!   exit 0 when the engine took the decision.
 //! - `flashsale admin activity add-sku|end|terminate|top-up|release-policy ...`: the
-//!   lifecycle routes of CONTRACT.md section 4 (`shard/lifecycle.rs`); exit 0 when the engine
+//!   lifecycle routes of CONTRACT.md section 4 (`shard/admin/lifecycle.rs`); exit 0 when the engine
 //!   applied the change or had applied it before.
 //! - `flashsale admin dlq list [--after SEQ]`: dead letters, oldest first; `flashsale admin dlq
-//!   replay --seq N` / `discard --seq N`: `POST /admin/v1/dlq/{n}` (`shard/dlq.rs`); exit 0
+//!   replay --seq N` / `discard --seq N`: `POST /admin/v1/dlq/{n}` (`shard/admin/dlq.rs`); exit 0
 //!   when done.
 //!
 //! Adding a call: a variant of [`AdminCommand`], its argument struct, and a function that uses

@@ -3,7 +3,8 @@
 //! nothing below `main` reads the environment.
 //!
 //! Only the settings that the implemented commands use live here; each later subsystem adds
-//! its section (with its bounds checked in [`Config::validate`]).
+//! its section (with its bounds checked where it is read: `admission_budgets`,
+//! `overload_settings`, `worker_settings`, ...).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -53,6 +54,8 @@ pub struct Config {
     pub payment_key: Option<String>,
     /// `decide_submit`'s budgets (`[admission]`, validated).
     pub admission: crate::logic::admission::Budgets,
+    /// The expensive path's adaptive limit (`[overload]`, validated).
+    pub overload: crate::logic::overload::OverloadConfig,
     /// Where accepted mode snapshots persist (`FLASHSALE_MODE_STATE_FILE`, default
     /// `var/modes.json`).
     pub mode_state_file: PathBuf,
@@ -179,6 +182,8 @@ pub struct WorkerSettings {
     pub fetch_max: Option<usize>,
     /// `[worker] batch_max`: messages per transaction on the per-message path (1..=64).
     pub batch_max: Option<usize>,
+    /// `[worker] nice`: the worker threads' niceness (0..=19; default 19).
+    pub nice: Option<i32>,
 }
 
 impl WorkerSettings {
@@ -199,6 +204,9 @@ impl WorkerSettings {
         }
         if let Some(v) = self.batch_max {
             worker.batch_max = v;
+        }
+        if let Some(v) = self.nice {
+            worker.nice = v;
         }
         let needed = worker.order_writers + worker.outbox_publishers + 1;
         worker.pg.pool_size = worker.pg.pool_size.max(needed);
@@ -268,6 +276,7 @@ struct FileConfig {
     engine: Option<EngineSection>,
     auth: Option<AuthSection>,
     admission: Option<AdmissionSection>,
+    overload: Option<OverloadSection>,
     log: Option<LogSection>,
     worker: Option<WorkerSection>,
     payments: Option<PaymentsSection>,
@@ -290,6 +299,24 @@ struct WorkerSection {
     fetch_min: Option<usize>,
     fetch_max: Option<usize>,
     batch_max: Option<usize>,
+    nice: Option<i32>,
+}
+
+/// `[overload]`: the expensive path's adaptive limit (`logic::overload`; defaults there).
+/// Off unless `enabled = true`: pinned at `limit_max` (no shedding by it, no readiness by it).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OverloadSection {
+    enabled: Option<bool>,
+    target_ms: Option<u64>,
+    window_ms: Option<u64>,
+    limit_min: Option<u32>,
+    limit_max: Option<u32>,
+    limit_initial: Option<u32>,
+    backlog_age_soft_ms: Option<u64>,
+    retry_ms: Option<u64>,
+    unready_after_ms: Option<u64>,
+    ready_after_ms: Option<u64>,
 }
 
 /// `[admission]`: `decide_submit`'s budgets (defaults derived from the 3 s order SLO in
@@ -397,6 +424,7 @@ impl Config {
             engine,
             auth,
             admission,
+            overload,
             log,
             worker,
             payments,
@@ -406,6 +434,7 @@ impl Config {
         let (file_keys, file_control, file_payment) =
             auth.map_or((None, None, None), |s| (s.pass_keys, s.control_key, s.payment_key));
         let admission = admission_budgets(admission.unwrap_or_default())?;
+        let overload = overload_settings(overload.unwrap_or_default())?;
         let worker = worker_settings(worker.unwrap_or_default(), env)?;
         let proxy_from = env
             .get("FLASHSALE_PROXY_PROTOCOL_FROM")
@@ -431,6 +460,7 @@ impl Config {
             control_key: layers.optional("FLASHSALE_CONTROL_KEY", file_control),
             payment_key,
             admission,
+            overload,
             mode_state_file: layers
                 .optional("FLASHSALE_MODE_STATE_FILE", None)
                 .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from),
@@ -674,6 +704,28 @@ fn admission_budgets(
     Ok(budgets)
 }
 
+fn overload_settings(
+    s: OverloadSection,
+) -> Result<crate::logic::overload::OverloadConfig, ConfigError> {
+    let d = crate::logic::overload::OverloadConfig::default();
+    let mut c = crate::logic::overload::OverloadConfig {
+        target_ms: s.target_ms.unwrap_or(d.target_ms),
+        window_ms: s.window_ms.unwrap_or(d.window_ms),
+        limit_min: s.limit_min.unwrap_or(d.limit_min),
+        limit_max: s.limit_max.unwrap_or(d.limit_max),
+        limit_initial: s.limit_initial.unwrap_or(d.limit_initial),
+        backlog_age_soft_ms: s.backlog_age_soft_ms.unwrap_or(d.backlog_age_soft_ms),
+        retry_ms: s.retry_ms.unwrap_or(d.retry_ms),
+        unready_after_ms: s.unready_after_ms.unwrap_or(d.unready_after_ms),
+        ready_after_ms: s.ready_after_ms.unwrap_or(d.ready_after_ms),
+    };
+    if s.enabled != Some(true) {
+        c = c.pinned();
+    }
+    c.validate().map_err(|message| ConfigError::Invalid { name: "[overload]", message })?;
+    Ok(c)
+}
+
 fn worker_settings(section: WorkerSection, env: &Env) -> Result<WorkerSettings, ConfigError> {
     let invalid = |name: &'static str, message: String| ConfigError::Invalid { name, message };
     let pg_cores = match env.get("FLASHSALE_PG_CORES") {
@@ -706,6 +758,7 @@ fn worker_settings(section: WorkerSection, env: &Env) -> Result<WorkerSettings, 
         fetch_min: section.fetch_min,
         fetch_max: section.fetch_max,
         batch_max: section.batch_max,
+        nice: section.nice,
     };
     // The worker's own validation names the knob that is out of bounds.
     let mut worker = flashsale_pg_worker::worker::WorkerConfig::default();
@@ -980,6 +1033,25 @@ mod tests {
         let err =
             Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).unwrap_err();
         assert!(err.to_string().contains("[admission]"), "{err}");
+    }
+
+    #[test]
+    fn the_adaptive_limit_is_off_unless_enabled_and_its_bounds_are_validated() {
+        use crate::logic::overload::OverloadConfig;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let load = |text: &str| {
+            let path = dir.path().join("o.toml");
+            std::fs::write(&path, text).expect("w");
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path())
+        };
+        let off = load("[overload]\ntarget_ms = 10\n").expect("c").overload;
+        assert_eq!((off.limit_min, off.limit_max), (off.limit_max, 4_096), "pinned");
+        let on = load("[overload]\nenabled = true\ntarget_ms = 10\n").expect("c").overload;
+        assert_eq!(on, OverloadConfig { target_ms: 10, ..OverloadConfig::default() });
+        let err = load("[overload]\nenabled = true\nlimit_min = 0\n").unwrap_err();
+        assert!(err.to_string().contains("[overload]"), "{err}");
+        let err = load("[worker]\nnice = 20\n").unwrap_err();
+        assert!(err.to_string().contains("nice"), "{err}");
     }
 
     #[test]

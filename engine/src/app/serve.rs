@@ -139,6 +139,9 @@ pub fn edge_config(config: &crate::app::config::Config) -> anyhow::Result<EdgeCo
     }
     // `[http]`: connection bounds, deadlines, the health path, trusted PROXY sources.
     config.http.apply(&mut edge);
+    // `[admission]` and `[overload]` (validated when the file was read).
+    edge.admission = config.admission;
+    edge.overload = config.overload;
     Ok(edge)
 }
 
@@ -214,6 +217,9 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         // Above every SKU's own bound (partition.in_flight_max) times a few hot SKUs, below
         // the Redis connection's bound: a shard full of slow submits answers OVERLOADED.
         submit_in_flight_max: 4_096,
+        // Off by default (`[overload] enabled`): on a box the edge shares, the limit reads CPU
+        // starvation as a slow path and prolongs the sale (README "Admission").
+        overload: crate::logic::overload::OverloadConfig::default().pinned(),
         // The budgets assume a sample at most two polls old (admission.rs, SloBasis).
         health_poll_ms: crate::logic::admission::SloBasis::MEASURED.lag_poll_ms,
         control: crate::durable::modes::ControlConfig::default(),

@@ -103,6 +103,13 @@ pub struct ShardMetrics {
     pub publish_circuit: AtomicU64,
     pub request_latency: Histogram,
     pub lua_latency: Histogram,
+    /// The expensive path: from its place under the adaptive limit to the answer (`reserve`,
+    /// and for a fresh reservation the publish and its ack).
+    pub path_latency: Histogram,
+    /// The adaptive limit of the expensive path (a gauge, `logic::overload`), and 1 while it
+    /// has sat at its floor long enough to make the instance unready (readiness reads it).
+    pub admission_limit: AtomicU64,
+    pub admission_unready: AtomicU64,
     /// Compensations this shard applied (`compensate` answered APPLIED; repeats excluded).
     pub compensations: AtomicU64,
     /// Reservations in the `resv:pending` sets of the SKUs this shard owns, as last sampled
@@ -148,6 +155,11 @@ impl EdgeMetrics {
         &self.shards[id]
     }
 
+    /// Whether any shard's adaptive limit has made the instance unready (sustained overload).
+    pub fn overloaded(&self) -> bool {
+        self.shards.iter().any(|s| s.admission_unready.load(Ordering::Relaxed) != 0)
+    }
+
     /// Requests in flight on every shard.
     pub fn requests_in_flight(&self) -> u64 {
         self.sum(|s| &s.requests_in_flight)
@@ -166,6 +178,8 @@ impl EdgeMetrics {
         self.render_admission_rejections(out);
         self.render_histogram(out, "flashsale_request_latency_seconds", |s| &s.request_latency);
         self.render_histogram(out, "flashsale_lua_latency_seconds", |s| &s.lua_latency);
+        self.render_histogram(out, "flashsale_expensive_path_seconds", |s| &s.path_latency);
+        self.render_overload(out);
         ReconcileMetrics::render(self.shards.iter().map(|s| &s.reconcile), out);
     }
 
@@ -257,6 +271,17 @@ impl EdgeMetrics {
                 self.shards.iter().map(|s| field(s).load(Ordering::Relaxed)).max().unwrap_or(0);
             let _ = writeln!(out, "flashsale_circuit_state{{dependency=\"{dependency}\"}} {worst}");
         }
+    }
+
+    /// The adaptive limit summed over shards (the places the instance offers), and readiness
+    /// by it: 0 when any shard's limit has sat at its floor.
+    fn render_overload(&self, out: &mut String) {
+        let limit = self.sum(|s| &s.admission_limit);
+        let ready = !self.overloaded();
+        let _ = writeln!(out, "# TYPE flashsale_admission_limit gauge");
+        let _ = writeln!(out, "flashsale_admission_limit {limit}");
+        let _ = writeln!(out, "# TYPE flashsale_admission_limit_ready gauge");
+        let _ = writeln!(out, "flashsale_admission_limit_ready {}", u8::from(ready));
     }
 
     fn render_admission_rejections(&self, out: &mut String) {

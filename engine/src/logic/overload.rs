@@ -43,9 +43,9 @@
 //!
 //! # Readiness
 //!
-//! A limit pinned at `limit_min` for `unready_after_ms` means the path is slow even with
-//! almost nothing admitted: the instance is sick or starved, and `/readyz` (and the public
-//! health path) fail so that an L4 balancer moves new connections elsewhere (seed ch9: 本地
+//! A limit pinned at `limit_min` for `unready_after_ms`, with demand beyond it in every
+//! window, means the path is slow even with almost nothing admitted: the instance is sick or
+//! starved, and `/readyz` (and the public health path) fail so that an L4 balancer moves new connections elsewhere (seed ch9: 本地
 //! 限流、摘除过载实例). It is ready again only after `ready_after_ms` off the floor: the two
 //! delays are the hysteresis that keeps readiness from flapping with the limit.
 //!
@@ -94,6 +94,13 @@ impl Default for OverloadConfig {
 }
 
 impl OverloadConfig {
+    /// The same bounds with the limit fixed at `limit_max`: no adaptation, no shedding below
+    /// it and no readiness by it (`[overload] enabled = false`, the default: README
+    /// "Admission" has the demo A/B that made it so).
+    pub fn pinned(self) -> OverloadConfig {
+        OverloadConfig { limit_min: self.limit_max, limit_initial: self.limit_max, ..self }
+    }
+
     /// Bounds that contradict each other are refused at start-up.
     pub fn validate(&self) -> Result<(), String> {
         if self.limit_min == 0 || self.limit_min > self.limit_max {
@@ -203,7 +210,7 @@ impl AdaptiveLimit {
         let fresh = Window { started_ms: now_ms, saturated, ..Window::default() };
         let window = std::mem::replace(&mut self.window, fresh);
         self.limit = self.next_limit(&window, elapsed, backlog_age_ms);
-        self.readiness_after(now_ms);
+        self.readiness_after(now_ms, window.saturated);
     }
 
     fn next_limit(&self, window: &Window, elapsed_ms: u64, backlog_age_ms: u64) -> f64 {
@@ -228,8 +235,15 @@ impl AdaptiveLimit {
         next.clamp(min, max)
     }
 
-    fn readiness_after(&mut self, now_ms: u64) {
-        let at_floor = self.limit() <= self.config.limit_min;
+    /// `saturated`: the window that just closed had more demand than the limit admitted.
+    fn readiness_after(&mut self, now_ms: u64, saturated: bool) {
+        // Overloaded is the floor with demand beyond it. A floor without demand (the path's
+        // dependency failed and its circuit answers instead, or a quiet moment after a storm)
+        // is not this instance's overload: readiness must not move a fleet-wide dependency
+        // fault onto the balancer. A limit that cannot move (limit_min = limit_max:
+        // adaptation off) says nothing either.
+        let pinned = self.config.limit_min == self.config.limit_max;
+        let at_floor = !pinned && saturated && self.limit() <= self.config.limit_min;
         let r = &mut self.readiness;
         if at_floor {
             r.off_floor_since_ms = None;
@@ -391,6 +405,28 @@ mod tests {
         }
         drive(&mut l, &mut now, 4, 200, 1);
         assert!(l.ready());
+    }
+
+    #[test]
+    fn a_floor_without_demand_is_not_overload() {
+        let mut now = 0;
+        let mut l = AdaptiveLimit::new(config(), now);
+        drive(&mut l, &mut now, 10, 200, 500);
+        assert_eq!(l.limit(), config().limit_min);
+        // The dependency's circuit answers instead: nothing reaches the path for a long time.
+        drive(&mut l, &mut now, 100, 0, 0);
+        assert!(l.ready(), "an idle floor must not fail readiness");
+        assert_eq!(l.limit(), config().limit_min, "an unused limit does not grow");
+    }
+
+    #[test]
+    fn a_pinned_limit_never_fails_readiness() {
+        let pinned = OverloadConfig { limit_min: 8, limit_max: 8, limit_initial: 8, ..config() };
+        let mut now = 0;
+        let mut l = AdaptiveLimit::new(pinned, now);
+        drive(&mut l, &mut now, 100, 200, 500);
+        assert!(l.ready());
+        assert_eq!(l.limit(), 8);
     }
 
     proptest! {

@@ -35,6 +35,7 @@ use crate::logic::circuit::{CircuitState, ProbeOrNormal};
 use crate::logic::ids::{BusinessId, IdGenerator, IdKind, UserId};
 use crate::logic::modes::EffectiveMode;
 use crate::logic::outcome::SubmitOutcome;
+use crate::logic::overload::{AdaptiveLimit, OverloadConfig, Permit as PathPermit};
 use crate::logic::partition::{
     Accepted, AcceptedBudget, AcceptedState, ActivitySnapshot, PartitionLimits, Permit,
     ReplicaUpdate, ReserveSeen, SkuPartition, SubmitPlan,
@@ -78,6 +79,11 @@ impl SubmitAnswer {
 
     pub fn retry(outcome: SubmitOutcome, retry_after_ms: u64) -> SubmitAnswer {
         SubmitAnswer { retry_after_ms: Some(retry_after_ms), ..SubmitAnswer::of(outcome) }
+    }
+
+    /// The same answer with a `reason_code`.
+    pub fn with_reason(self, reason: &'static str) -> SubmitAnswer {
+        SubmitAnswer { reason_code: Some(Cow::Borrowed(reason)), ..self }
     }
 
     pub fn invalid(reason: &'static str) -> SubmitAnswer {
@@ -138,6 +144,8 @@ pub struct OwnerLimits {
     pub redis_nodes_max: usize,
     /// Retry-After of a `SYSTEM_BUSY` when `reserve` did not run.
     pub busy_retry_ms: u64,
+    /// The expensive path's adaptive limit (`overload.rs`).
+    pub overload: OverloadConfig,
 }
 
 /// What `reserve` said, as the decision needs it (the shard maps the script binding's reply).
@@ -171,6 +179,9 @@ pub enum ReserveResult {
 /// `reason_code` of an `INVALID` answer for a value the store refused (`ReserveResult::Refused`).
 pub const ARGUMENT_REFUSED: &str = "ARGUMENT_REFUSED";
 
+/// `reason_code` of an `OVERLOADED` answer past the adaptive limit (`REJECT_REASONS`).
+pub const ADAPTIVE_LIMIT: &str = "ADAPTIVE_LIMIT";
+
 /// `reason_code` of a SKU closed by a Redis failover (`REJECT_REASONS`).
 pub const REDIS_FAILOVER: &str = "REDIS_FAILOVER";
 
@@ -197,6 +208,9 @@ pub struct Call {
     pub ticket: Ticket,
     pub reservation_id: BusinessId,
     pub message_id: BusinessId,
+    /// The place on the expensive path; [`Finish`] hands it back for
+    /// [`OwnerState::path_done`] once the answer (after the publish) is known.
+    pub path: PathPermit,
 }
 
 /// The first step's outcome.
@@ -221,6 +235,8 @@ pub struct Finish {
     pub publish: Option<OrderCreate>,
     /// The Redis circuit after this call (for its gauge).
     pub redis_circuit: CircuitState,
+    /// Owed to [`OwnerState::path_done`] when the answer is final (after the publish).
+    pub path: PathPermit,
 }
 
 /// Everything the owner shard decides submissions with, behind one borrow.
@@ -234,11 +250,15 @@ pub struct OwnerState {
     ids: IdGenerator,
     /// Submissions between `begin` and `finish`.
     in_flight: u32,
+    /// How many of them the expensive path takes at once, found from its latency.
+    overload: AdaptiveLimit,
 }
 
 impl OwnerState {
+    /// The adaptive limit's first window starts at time 0: the first `begin` closes it.
     pub fn new(limits: OwnerLimits, id_seed: [u8; 32]) -> OwnerState {
         OwnerState {
+            overload: AdaptiveLimit::new(limits.overload, 0),
             limits,
             partitions: HashMap::new(),
             accepted_budget: AcceptedBudget::new(limits.accepted_per_shard_max),
@@ -251,6 +271,22 @@ impl OwnerState {
     /// Submissions between `begin` and `finish` right now.
     pub fn in_flight(&self) -> u32 {
         self.in_flight
+    }
+
+    /// The expensive path's limit (its gauge, readiness).
+    pub fn overload(&self) -> &AdaptiveLimit {
+        &self.overload
+    }
+
+    /// Moves the adaptive limit on when a window has passed (the heartbeat calls it, so that
+    /// a shard without submissions still recovers its readiness).
+    pub fn overload_tick(&mut self, now_ms: u64, backlog: Backlog) {
+        self.overload.tick(now_ms, backlog.oldest_pending_age_ms);
+    }
+
+    /// The expensive path answered `latency_us` after its place was taken.
+    pub fn path_done(&mut self, path: PathPermit, latency_us: u64) {
+        self.overload.complete(path, latency_us);
     }
 
     /// The worst Redis circuit (the gauge: one open circuit is what an operator must see).
@@ -305,6 +341,7 @@ impl OwnerState {
         now_ms: u64,
     ) -> Begin {
         let failover_retry_ms = self.limits.budgets.dependency_retry_ms;
+        self.overload_tick(now_ms, outside.backlog);
         let (partition, tracked) = self.partition(request.key, now_ms);
         let permit = match plan_permit(partition, request, failover_retry_ms, now_ms) {
             Ok(permit) => permit,
@@ -316,8 +353,15 @@ impl OwnerState {
         let circuit = self.circuit(node).allow(now_ms);
         let input = self.admission_input(outside, redis_state(&circuit));
         let decision = decide_submit(&input, &self.limits.budgets, now_ms);
-        match (decision, circuit) {
-            (Decision::Admit, Admit::Call(call)) => {
+        // Everything else admits: the last word is the expensive path's own limit.
+        let path = match (decision, &circuit) {
+            (Decision::Admit, Admit::Call(_)) => {
+                Some(self.overload.try_acquire(outside.draw as u32))
+            }
+            _ => None,
+        };
+        match (decision, circuit, path) {
+            (Decision::Admit, Admit::Call(call), Some(Ok(path))) => {
                 self.in_flight += 1;
                 assert!(self.in_flight <= self.limits.in_flight_max, "in-flight bound broken");
                 let reservation_id = self.ids.next(IdKind::Reservation, now_ms);
@@ -326,9 +370,19 @@ impl OwnerState {
                     ticket: Ticket { key, tracked, permit, node, call },
                     reservation_id,
                     message_id,
+                    path,
                 })
             }
-            (decision, circuit) => {
+            (Decision::Admit, Admit::Call(call), Some(Err(retry_after_ms))) => {
+                self.give_back(key, permit);
+                self.circuit(node).cancel(call);
+                let answer = SubmitAnswer::retry(SubmitOutcome::Overloaded, retry_after_ms);
+                Begin::Answer {
+                    answer: answer.with_reason(ADAPTIVE_LIMIT),
+                    admission_reject: Some(ADAPTIVE_LIMIT),
+                }
+            }
+            (decision, circuit, _) => {
                 self.give_back(key, permit);
                 if let Admit::Call(call) = circuit {
                     self.circuit(node).cancel(call);
@@ -363,7 +417,7 @@ impl OwnerState {
         result: ReserveResult,
         now_ms: u64,
     ) -> Finish {
-        let Call { ticket, reservation_id, message_id } = call;
+        let Call { ticket, reservation_id, message_id, path } = call;
         let Ticket { key, tracked, permit, node, call: circuit_call } = ticket;
         assert!(self.in_flight > 0, "a submission finished that never began");
         self.in_flight -= 1;
@@ -399,7 +453,7 @@ impl OwnerState {
         let replica =
             partition.on_reserve(permit, request.user_id.0, seen, &mut self.accepted_budget);
         let redis_circuit = self.redis_circuit(now_ms);
-        Finish { answer, replica, publish, redis_circuit }
+        Finish { answer, replica, publish, redis_circuit, path }
     }
 
     /// Step 4 (module documentation): the log acknowledged (`Acked`) the message of the
@@ -691,6 +745,13 @@ mod tests {
             redis_circuit: CircuitConfig::default(),
             redis_nodes_max: 4,
             busy_retry_ms: 1_000,
+            // Out of the way of these tests (its own test below brings it close).
+            overload: OverloadConfig {
+                limit_min: 1_000_000,
+                limit_max: 1_000_000,
+                limit_initial: 1_000_000,
+                ..OverloadConfig::default()
+            },
         }
     }
 
@@ -825,6 +886,52 @@ mod tests {
         let (circuit, answers) = run(|| ReserveResult::NotRun);
         assert_eq!(circuit, CircuitState::Open, "the control: node failures do open it");
         assert!(answers.iter().all(|a| a.outcome == SubmitOutcome::SystemBusy));
+    }
+
+    /// Issue 24: past the adaptive limit a new request is answered `OVERLOADED` at once with
+    /// its reason and a jittered Retry-After, nothing minted, its partition permit and circuit
+    /// call given back; a replay of an accepted request is still answered; a finished path
+    /// frees its place.
+    #[test]
+    fn past_the_adaptive_limit_new_requests_are_shed_and_replays_still_answered() {
+        let two =
+            OverloadConfig { limit_min: 1, limit_max: 2, limit_initial: 2, ..limits().overload };
+        let mut owner = OwnerState::new(OwnerLimits { overload: two, ..limits() }, [6; 32]);
+        let h = hash(3);
+        let (r1, r2, r3) = (request(2, "a", &h), request(2, "b", &h), request(2, "c", &h));
+        let c1 = call(owner.begin(&r1, None, &outside(false, NOW), NOW));
+        let created = ReserveResult::Created { stock_after: 5, expires_at_ms: NOW + 300_000 };
+        let f1 = owner.finish(c1, &r1, created, NOW);
+        let queued = owner.on_published(&r1, f1.answer, Published::Acked);
+        let c2 = call(owner.begin(&r2, None, &outside(false, NOW), NOW));
+        // r1's path still holds its place (its answer not sent yet) and r2 holds the other.
+        let Begin::Answer { answer, admission_reject } =
+            owner.begin(&r3, None, &outside(false, NOW), NOW)
+        else {
+            panic!("past the limit a new request is shed")
+        };
+        assert_eq!(admission_reject, Some(ADAPTIVE_LIMIT));
+        assert_eq!(answer.outcome, SubmitOutcome::Overloaded);
+        assert_eq!(answer.reason_code.as_deref(), Some(ADAPTIVE_LIMIT));
+        assert_eq!(answer.reservation_id, None, "nothing reserved");
+        let retry = answer.retry_after_ms.expect("Retry-After");
+        let base = two.retry_ms;
+        assert!((base..base + base / 2).contains(&retry), "jittered: {retry}");
+        assert_eq!(owner.in_flight(), 1, "the shed request holds nothing");
+        // The accepted buyer's replay is answered from memory whatever the load.
+        match owner.begin(&r1, None, &outside(false, NOW), NOW) {
+            Begin::Answer { answer, admission_reject: None } => {
+                assert_eq!((answer.outcome, answer.replayed), (queued.outcome, true));
+            }
+            other => panic!("expected a replay, got {other:?}"),
+        }
+        owner.path_done(f1.path, 1_000);
+        let c3 = call(owner.begin(&r3, None, &outside(false, NOW), NOW));
+        let f2 = owner.finish(c2, &r2, ReserveResult::SoldOut, NOW);
+        let f3 = owner.finish(c3, &r3, ReserveResult::SoldOut, NOW);
+        owner.path_done(f2.path, 1_000);
+        owner.path_done(f3.path, 1_000);
+        assert_eq!((owner.in_flight(), owner.overload().in_flight()), (0, 0));
     }
 
     /// SKUs 0 and 1 on two masters, 2 and 3 where no slot map is known yet.

@@ -93,6 +93,8 @@ pub struct EdgeConfig {
     pub admission: crate::logic::admission::Budgets,
     /// Submissions one shard works on at once (owner side); beyond it `OVERLOADED`.
     pub submit_in_flight_max: u32,
+    /// The expensive path's adaptive limit and the readiness it drives (`logic::overload`).
+    pub overload: crate::logic::overload::OverloadConfig,
     /// How often the durable side polls the `order-writer` backlog and pings PostgreSQL.
     pub health_poll_ms: u64,
     /// The control key, where accepted mode snapshots persist, the mode rules.

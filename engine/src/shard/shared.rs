@@ -50,9 +50,12 @@ impl EdgeShared {
     }
 
     /// Ready for traffic (`/readyz`, the public health path): every shard listening, not
-    /// draining.
+    /// draining, not in sustained overload (a shard's adaptive limit at its floor for
+    /// `unready_after_ms`, until it has been off it for `ready_after_ms`: `logic::overload`).
     pub fn is_ready(&self) -> bool {
-        self.started.iter().all(|s| s.load(Ordering::Relaxed)) && !self.is_draining()
+        self.started.iter().all(|s| s.load(Ordering::Relaxed))
+            && !self.is_draining()
+            && !self.metrics.overloaded()
     }
 
     pub fn is_stopping(&self) -> bool {

@@ -100,5 +100,6 @@ fn owner_limits(config: &EdgeConfig) -> OwnerLimits {
         redis_circuit: config.redis_circuit,
         redis_nodes_max: REDIS_NODES_MAX,
         busy_retry_ms: config.busy_retry_ms,
+        overload: config.overload,
     }
 }

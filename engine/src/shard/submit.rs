@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bytes::BytesMut;
-use flashsale_io::redis::script::{ReserveArgs, ReserveReply, ScriptError};
+use flashsale_io::redis::script::{ReserveArgs, ReserveReply, ScriptError, SkuKeys};
 use futures::channel::oneshot;
 
 use super::limiters::Limiters;
@@ -36,10 +36,11 @@ use crate::logic::ids::UserId;
 use crate::logic::limiter;
 use crate::logic::metrics::ShardMetrics;
 use crate::logic::outcome::SubmitOutcome;
+use crate::logic::overload::Permit as PathPermit;
 use crate::logic::partition::FastPath;
 use crate::logic::placement::SkuKey;
 use crate::logic::submit::{
-    Begin, Outside, OwnerState, ReserveResult, SubmitAnswer, SubmitRequest,
+    Begin, Call, Outside, OwnerState, ReserveResult, SubmitAnswer, SubmitRequest,
 };
 
 /// What a submission touches (issue 22: a handler says what it uses): the limiters, the
@@ -221,8 +222,8 @@ async fn owner_submit(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> SubmitAns
     owner_submit_inner(deps, s).instrument(span).await
 }
 
-/// `begin`, `reserve`, `finish`, and for a fresh reservation the publish: I/O only between
-/// the decisions, each decision one borrow of the owner state.
+/// `begin`, then the expensive path (`reserve`, `finish`, the publish) with its place under
+/// the adaptive limit, which learns the path's latency when the answer is known.
 async fn owner_submit_inner(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> SubmitAnswer {
     let now = now_ms();
     let outside = outside(deps, s.key, now);
@@ -238,6 +239,23 @@ async fn owner_submit_inner(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> Sub
         }
         Begin::Call(call) => call,
     };
+    let started = Instant::now();
+    let (answer, path) = expensive_path(deps, s, &keys, call, now).await;
+    let latency_ns = started.elapsed().as_nanos() as u64;
+    deps.metrics().path_latency.observe_ns(latency_ns);
+    deps.owner.borrow_mut().path_done(path, latency_ns / 1_000);
+    answer
+}
+
+/// `reserve`, `finish`, and for a fresh reservation the publish: I/O only between the
+/// decisions, each decision one borrow of the owner state.
+async fn expensive_path(
+    deps: &SubmitDeps<'_>,
+    s: &SubmitRequest<'_>,
+    keys: &Rc<SkuKeys>,
+    call: Call,
+    now: u64,
+) -> (SubmitAnswer, PathPermit) {
     let span = tracing::Span::current();
     span.record("reservation_id", call.reservation_id.as_str());
     span.record("message_id", call.message_id.as_str());
@@ -251,7 +269,7 @@ async fn owner_submit_inner(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> Sub
         pending_grace_ms: deps.shared.config.pending_grace_ms,
     };
     let started = Instant::now();
-    let reply = deps.store.functions.reserve(&keys, &args).await;
+    let reply = deps.store.functions.reserve(keys, &args).await;
     deps.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
     let finish = deps.owner.borrow_mut().finish(call, s, reserve_result(reply), now);
     let circuit = u64::from(finish.redis_circuit.metric_value());
@@ -263,12 +281,13 @@ async fn owner_submit_inner(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> Sub
             ensure_loaded(deps.owner, deps.store, deps.mesh, s.key);
         }
     }
-    let Some(message) = finish.publish else { return finish.answer };
+    let Some(message) = finish.publish else { return (finish.answer, finish.path) };
     #[cfg(feature = "failpoints")]
     fail::fail_point!("after_reserve_created");
     let published =
-        publish_order(deps.publish, &keys, message, MsgIdentity::Original, Origin::Submit).await;
-    deps.owner.borrow_mut().on_published(s, finish.answer, published)
+        publish_order(deps.publish, keys, message, MsgIdentity::Original, Origin::Submit).await;
+    let answer = deps.owner.borrow_mut().on_published(s, finish.answer, published);
+    (answer, finish.path)
 }
 
 /// Admission's inputs that live outside the owner state.

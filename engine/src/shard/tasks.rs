@@ -170,13 +170,22 @@ fn spawn_mesh_receivers(shard: &Rc<Shard>, receivers: Receivers<MeshMsg>) {
     }
 }
 
-/// Liveness: the loop's tick, every 100 ms.
+/// Liveness: the loop's tick, every 100 ms; with it the adaptive limit's window moves on
+/// (a shard without submissions still recovers its readiness) and its gauges are written.
 fn spawn_heartbeat(shard: &Rc<Shard>) {
     let shard = Rc::clone(shard);
     glommio::spawn_local(async move {
         while !shard.shared.is_stopping() {
-            shard.shared.heartbeats[shard.id]
-                .store(crate::logic::clock::now_ms(), Ordering::Relaxed);
+            let now = crate::logic::clock::now_ms();
+            shard.shared.heartbeats[shard.id].store(now, Ordering::Relaxed);
+            let (limit, ready) = {
+                let mut owner = shard.owner.borrow_mut();
+                owner.overload_tick(now, shard.shared.health.backlog());
+                (owner.overload().limit(), owner.overload().ready())
+            };
+            let metrics = shard.metrics();
+            metrics.admission_limit.store(u64::from(limit), Ordering::Relaxed);
+            metrics.admission_unready.store(u64::from(!ready), Ordering::Relaxed);
             glommio::timer::sleep(Duration::from_millis(100)).await;
         }
     })

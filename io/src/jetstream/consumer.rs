@@ -22,7 +22,7 @@
 //! sans-I/O classification). Acks are fire-and-forget publishes: a lost ack means a
 //! redelivery, which the PostgreSQL inbox absorbs.
 //!
-//! Read next: `pg-worker/src/worker.rs`.
+//! Read next: `pg-worker/src/worker/order_writer_task.rs`.
 
 use std::time::Duration;
 

@@ -18,10 +18,10 @@
 //! info's cluster section) and [`record_placement`], which sets the gauges
 //! `flashsale_log_stream_replicas{stream}` and `flashsale_log_stream_replicas_current{stream}`
 //! in the `metrics` registry that `/metrics` renders. The edge's health poller
-//! (`engine/src/durable/control.rs`) refreshes them beside the backlog sample.
+//! (`engine/src/durable/health.rs`) refreshes them beside the backlog sample.
 //!
 //! What it is not: the poll loops; the worker runs the lag loop and sets its gauges
-//! (`pg-worker/src/worker.rs`).
+//! (`pg-worker/src/worker/lag_task.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

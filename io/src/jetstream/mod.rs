@@ -42,7 +42,7 @@
 //! imports it (each takes what it shares from its sibling: the error from `error.rs`, the names
 //! from `names.rs`, the config from `config.rs`), so the folder has no import circle.
 //!
-//! Read next: `wire/` (message bodies), `pg-worker/src/worker.rs` (the consumer loop).
+//! Read next: `wire/` (message bodies), `pg-worker/src/worker/order_writer_task.rs` (the consumer loop).
 
 mod client;
 mod config;

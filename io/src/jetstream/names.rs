@@ -33,7 +33,7 @@ pub const REDIS_SYNC_CONSUMER: &str = "redis-sync";
 /// Where `redis-sync` dead-letters.
 pub const REDIS_SYNC_DLQ_SUBJECT: &str = "seckill.dlq.redis-sync";
 
-/// The JetStream KV bucket of degradation-mode snapshots (engine `control.rs`).
+/// The JetStream KV bucket of degradation-mode snapshots (engine `durable/modes.rs`).
 pub const MODES_BUCKET: &str = "flashsale_modes";
 /// The stream behind [`MODES_BUCKET`] (JetStream names a bucket's stream `KV_<bucket>`).
 pub const MODES_STREAM: &str = "KV_flashsale_modes";

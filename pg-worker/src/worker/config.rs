@@ -22,6 +22,10 @@ use crate::order_writer::BATCH_MAX;
 use crate::pool::PgPoolConfig;
 use crate::set_writer::SET_BATCH_MAX;
 
+/// The worker threads' niceness unless configured: the lowest priority (measured in the demo,
+/// README "The demo").
+pub const WORKER_NICE_DEFAULT: i32 = 19;
+
 /// Every knob of the worker. `Default` is the production setting for one 2-core machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
@@ -32,6 +36,11 @@ pub struct WorkerConfig {
     pub log: LogConfig,
     /// Threads of the worker's own tokio runtime.
     pub runtime_threads: usize,
+    /// Their scheduling niceness (0..=19; `[worker] nice`). The order path has a 3 s budget
+    /// and the answering path none to spare: on a box the edge shares (the demo, small
+    /// deployments) the worker yields the CPU to it (issue 24 item 5: p99 of all answers
+    /// −40% in the demo, orders still 100% within 3 s). Alone on its host it changes nothing.
+    pub nice: i32,
     /// Concurrent order-writer tasks, i.e. concurrent batch transactions; two per PostgreSQL
     /// core ([`order_writers_for_pg_cores`]).
     pub order_writers: usize,
@@ -75,6 +84,7 @@ impl Default for WorkerConfig {
             pg: PgPoolConfig::default(),
             log: LogConfig::default(),
             runtime_threads: 2,
+            nice: WORKER_NICE_DEFAULT,
             order_writers: order_writers_for_pg_cores(2),
             order_path: OrderPath::SetBased,
             batch_max: 32,
@@ -145,6 +155,9 @@ impl WorkerConfig {
     /// Task counts, against each other and the connection budget.
     fn validate_tasks(&self) -> Result<(), PgError> {
         let bad = |message: String| Err(PgError::Config(message));
+        if !(0..=19).contains(&self.nice) {
+            return bad(format!("nice = {} must be within 0..=19", self.nice));
+        }
         if self.runtime_threads == 0 || self.order_writers == 0 || self.outbox_publishers == 0 {
             return bad("runtime_threads, order_writers and outbox_publishers must be >= 1".into());
         }

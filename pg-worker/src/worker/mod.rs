@@ -93,14 +93,34 @@ pub struct WorkerHandle {
     shutdown_timeout: Duration,
 }
 
+/// The calling thread's niceness raised to `nice` (Linux: per thread). Failing is harmless
+/// (the worker only yields less), so it is logged, never fatal.
+#[allow(unsafe_code)]
+fn lower_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    // SAFETY: gettid and setpriority take and return plain integers; they touch no memory.
+    let done = unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice)
+    };
+    if done != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(nice, error = %e, "worker thread keeps its priority");
+    }
+}
+
 /// Starts the worker (see the module documentation). Blocks the calling thread until the
 /// worker is connected and its streams, consumers and pool are ready, or returns why not.
 /// Safe to call from any thread, including one that runs another async runtime.
 pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
     config.validate()?;
+    let nice = config.nice;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.runtime_threads)
         .thread_name("flashsale-worker")
+        .on_thread_start(move || lower_priority(nice))
         .enable_all()
         .build()
         .map_err(|e| PgError::Runtime(format!("build the worker runtime: {e}")))?;

@@ -73,6 +73,7 @@ impl Stack {
             pg: PgPoolConfig { url: self.db.url.clone(), pool_size: 5, ..PgPoolConfig::default() },
             log: self.log.config().clone(),
             runtime_threads: 2,
+            nice: 0,
             order_writers: 2,
             order_path: OrderPath::SetBased,
             batch_max,

@@ -71,7 +71,7 @@
 //! snapshot bounds), `table.rs` (the rules, the effective mode), `persist.rs` (the persisted
 //! text), `tests.rs`. This file only declares them and re-exports; no part imports it.
 //!
-//! What it is not: the transport (the JetStream KV watcher in `durable/control.rs`, `POST
+//! What it is not: the transport (the JetStream KV watcher in `durable/modes.rs`, `POST
 //! /admin/v1/mode`), the file I/O of persistence, or the admission decision itself
 //! (`admission.rs`). No I/O, no clock (`now_ms` is an argument), no runtime.
 //!

@@ -1,5 +1,5 @@
 //! The mode table's persisted form (text in, text out; the file I/O, write + rename, is the
-//! control plane's in `durable/control.rs`): every accepted snapshot with its scope's version
+//! control plane's in `durable/modes.rs`): every accepted snapshot with its scope's version
 //! and recovery flag, re-verified when read back; what does not verify closes its scope.
 
 use flashsale_io::key::HmacKey;

@@ -6,7 +6,7 @@
 //!   and body (as text when it is UTF-8);
 //! - `POST /admin/v1/dlq/{seq}` with `{"action":"replay"|"discard"}`: replay publishes the
 //!   body to its source subject again and deletes the dead letter (why a repeat does nothing
-//!   twice: `io/src/log/dlq.rs`); discard deletes it.
+//!   twice: `io/src/jetstream/dlq.rs`); discard deletes it.
 //!
 //! Fix the cause first: a message replayed into the same failure comes back as a new dead
 //! letter after its deliveries.
