@@ -14,6 +14,8 @@
 
 use std::path::Path;
 
+use plotters::coord::cartesian::Cartesian2d;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use super::report::Report;
@@ -143,6 +145,31 @@ fn draw_latency<DB: DrawingBackend>(
         .map_err(|e| e.to_string())
 }
 
+/// A panel over the run's seconds, from 0 to `y_max`, with its mesh drawn.
+fn over_time<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, plotters::coord::Shift>,
+    caption: impl AsRef<str>,
+    seconds: f64,
+    y_max: f64,
+    y_desc: &str,
+) -> Result<ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>, String> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption.as_ref(), ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..seconds, 0f64..y_max)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds since start")
+        .y_desc(y_desc)
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(chart)
+}
+
 /// One line of the throughput panel: name, colour, width in px, and the count it draws.
 type ThroughputSeries = (&'static str, RGBColor, u32, fn(&SecondCounts) -> u64);
 
@@ -159,20 +186,7 @@ fn draw_throughput<DB: DrawingBackend>(
         .unwrap_or(1)
         .max(1) as f64
         * 1.15;
-    let mut chart = ChartBuilder::on(area)
-        .caption("Throughput per second", ("sans-serif", 18))
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0f64..seconds, 0f64..y_max)
-        .map_err(|e| e.to_string())?;
-    chart
-        .configure_mesh()
-        .x_desc("seconds since start")
-        .y_desc("requests / s")
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .draw()
-        .map_err(|e| e.to_string())?;
+    let mut chart = over_time(area, "Throughput per second", seconds, y_max, "requests / s")?;
     // Scheduled (the open-loop plan) grey and widest, sent light, answered narrow on top: all
     // three stay visible when they are equal, and a target that falls behind shows as a gap.
     let series: [ThroughputSeries; 3] = [
@@ -220,20 +234,7 @@ fn draw_answers<DB: DrawingBackend>(
     let caption = format!(
         "Answers per second: accepted, sold out, shed (OVERLOADED: {shed_total} in all), other"
     );
-    let mut chart = ChartBuilder::on(area)
-        .caption(caption, ("sans-serif", 18))
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0f64..seconds, 0f64..y_max)
-        .map_err(|e| e.to_string())?;
-    chart
-        .configure_mesh()
-        .x_desc("seconds since start")
-        .y_desc("answers / s")
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .draw()
-        .map_err(|e| e.to_string())?;
+    let mut chart = over_time(area, caption, seconds, y_max, "answers / s")?;
     let series: [ThroughputSeries; 4] = [
         ("accepted (QUEUED, QUEUED_PENDING)", color("QUEUED"), 3, |s| s.accepted),
         ("sold out", color("SOLD_OUT"), 3, |s| s.sold_out),
@@ -273,20 +274,7 @@ fn draw_admission<DB: DrawingBackend>(
     let (min, max) =
         points.iter().fold((u64::MAX, 0), |(lo, hi), p| (lo.min(p.limit), hi.max(p.limit)));
     let caption = format!("Adaptive admission limit (places on the expensive path): {min}..{max}");
-    let mut chart = ChartBuilder::on(area)
-        .caption(caption, ("sans-serif", 18))
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0f64..seconds, 0f64..y_max)
-        .map_err(|e| e.to_string())?;
-    chart
-        .configure_mesh()
-        .x_desc("seconds since start")
-        .y_desc("limit")
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .draw()
-        .map_err(|e| e.to_string())?;
+    let mut chart = over_time(area, caption, seconds, y_max, "limit")?;
     let unready = points.iter().filter(|p| !p.ready).map(|p| {
         let x = p.t_ms as f64 / 1e3;
         Rectangle::new([(x, 0.0), (x + 0.1, y_max)], color("OVERLOADED").mix(0.2).filled())

@@ -208,8 +208,7 @@ fn lower_postgres_priority(dir: &std::path::Path) {
     let servers = stack::running_servers(dir);
     for server in servers.iter().filter(|s| s.kind == stack::Kind::Postgres) {
         // SAFETY: setpriority takes plain integers and touches no memory of ours.
-        let done =
-            unsafe { libc::setpriority(libc::PRIO_PROCESS, server.pid as libc::id_t, 19) };
+        let done = unsafe { libc::setpriority(libc::PRIO_PROCESS, server.pid as libc::id_t, 19) };
         if done != 0 {
             let e = std::io::Error::last_os_error();
             eprintln!("demo: PostgreSQL (pid {}) keeps its priority: {e}", server.pid);

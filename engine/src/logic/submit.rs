@@ -3,9 +3,12 @@
 //! 1. [`OwnerState::begin`] decides everything that needs no I/O, in one call: the SKU's
 //!    partition (replay, conflict, closed activity, sold out, the per-SKU admission bound),
 //!    then `decide_submit` over the shard's view of the world with the Redis circuit consulted
-//!    once, then this shard's in-flight bound; it either answers at once or hands out a
-//!    [`Call`]: a [`Ticket`] (the partition's permit and the circuit's call, both owed back)
-//!    and the reservation and message ids, minted before the side effect that needs them.
+//!    once, then this shard's in-flight bound and the expensive path's adaptive limit
+//!    (`overload.rs`: past it, `OVERLOADED` with `ADAPTIVE_LIMIT`); it either answers at once
+//!    or hands out a [`Call`]: a [`Ticket`] (the partition's permit and the circuit's call,
+//!    both owed back), the place on the path (owed to [`OwnerState::path_done`] after the
+//!    publish) and the reservation and message ids, minted before the side effect that needs
+//!    them.
 //! 2. The shard calls `reserve` (the only I/O) and maps the reply to a [`ReserveResult`].
 //! 3. [`OwnerState::finish`] takes the ticket and the result back, in one call: the circuit
 //!    learns the outcome, the partition its permit and what it saw (maybe a sold-out flip to
