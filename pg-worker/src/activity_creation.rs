@@ -77,13 +77,18 @@ pub async fn create_activity(
         .query_opt(
             "INSERT INTO activity (activity_id, status, start_at, end_at, version, \
                                    reservation_ttl_ms, pay_timeout_ms, config_hash) \
-             VALUES ($1, 'PENDING', to_timestamp($2::float8 / 1000), to_timestamp($3::float8 / 1000), \
+             VALUES ($1, 'PENDING', \
+                     to_timestamp($2::int8 / 1000) + ($2::int8 % 1000) * interval '1 millisecond', \
+                     to_timestamp($3::int8 / 1000) + ($3::int8 % 1000) * interval '1 millisecond', \
                      1, $4, $5, $6) \
              ON CONFLICT (activity_id) DO NOTHING RETURNING activity_id",
             &[
                 &spec.activity_id,
-                &(spec.start_at_ms as f64),
-                &(spec.end_at_ms as f64),
+                // Whole seconds plus the milliseconds, both exact: `to_timestamp(ms / 1000.0)`
+                // rounds through a float, and the last millisecond of year 9999 (the edge's
+                // bound) came out 8 µs past the column's CHECK.
+                &spec.start_at_ms,
+                &spec.end_at_ms,
                 &spec.reservation_ttl_ms,
                 &spec.pay_timeout_ms,
                 &hash,

@@ -264,6 +264,22 @@ fn field(name: &str, value: Option<i64>) -> String {
     value.map(|v| format!(",\"{name}\":{v}")).unwrap_or_default()
 }
 
+/// The bounds themselves are valid: an activity that ends in the last millisecond of year
+/// 9999 (`TIME_MS_MAX`) is created and stored exactly (found by the property test below:
+/// `to_timestamp(ms / 1000.0)` rounded it 8 µs past the column's CHECK, a 503).
+#[test]
+fn an_activity_ending_at_the_time_bound_is_created_exactly() {
+    let engine = Engine::start_with(|c| c.shards = 1);
+    let end = flashsale_io::bounds::TIME_MS_MAX;
+    let body = format!(r#"{{"activity_id":5101,"sku_id":1,"stock":0,"end_at_ms":{end}}}"#);
+    let (status, v) = create(&engine, &body);
+    assert_eq!(status, 201, "{v}");
+    let stored = engine.pg_count(
+        "SELECT (extract(epoch FROM end_at) * 1000)::int8 FROM activity WHERE activity_id = 5101",
+    );
+    assert_eq!(stored as u64, end);
+}
+
 /// Any numbers in a create-activity body, any ids in a valid pass and body: a 4xx or a real
 /// answer, never a 5xx, never a circuit opened (one engine for every case: a seeded
 /// `TestRunner` rather than `proptest!`, whose cases would each need their own servers).

@@ -4,8 +4,9 @@
 //! its window, the PostgreSQL inbox after it. It covers messages never confirmed
 //! (`QUEUED_PENDING`) and confirmed ones whose outcome has not reached Redis by the order
 //! deadline (a message or event lost after its ack; these go out under a per-attempt
-//! `Nats-Msg-Id`, see `MsgIdentity::Attempt` in `shard/publish.rs`). Entries past the recovery deadline go to
-//! `resv:stuck` (counted, logged, reported by reconcile) — never dropped silently.
+//! `Nats-Msg-Id`, see `MsgIdentity::Attempt` in `shard/publish.rs`). Entries past the
+//! recovery deadline go to `resv:stuck` (counted, logged, reported by reconcile) — never
+//! dropped silently.
 //!
 //! Every republish goes through the one publish path (`shard/publish.rs`: the publish
 //! circuit, the publish metrics, `mark_sent`), like a first publish.
