@@ -135,10 +135,18 @@ fn draw_latency<DB: DrawingBackend>(
                 PathElement::new(vec![(x, y), (x + 20, y)], FINAL_COLOR.stroke_width(2))
             });
     }
+    // Curves rise to the right and sit above the fastest answers: the lower right is free.
+    legend(&mut chart, SeriesLabelPosition::LowerRight)
+}
+
+/// The series' legend, framed, at `position`.
+fn legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
     chart
         .configure_series_labels()
-        // Curves rise to the right and sit above the fastest answers: the lower right is free.
-        .position(SeriesLabelPosition::LowerRight)
+        .position(position)
         .border_style(BLACK)
         .background_style(WHITE.mix(0.85))
         .draw()
@@ -207,13 +215,7 @@ fn draw_throughput<DB: DrawingBackend>(
             .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.85))
-        .draw()
-        .map_err(|e| e.to_string())
+    legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
 /// What the answers of each second were: accepted, sold out, shed beside each other.
@@ -253,13 +255,7 @@ fn draw_answers<DB: DrawingBackend>(
             .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.85))
-        .draw()
-        .map_err(|e| e.to_string())
+    legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
 /// The adaptive limit (places on the expensive path) over the run; red bands where it kept
@@ -286,13 +282,7 @@ fn draw_admission<DB: DrawingBackend>(
         .map_err(|e| e.to_string())?
         .label("limit (red bands: not ready)")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(3)));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.85))
-        .draw()
-        .map_err(|e| e.to_string())
+    legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
 #[cfg(test)]
