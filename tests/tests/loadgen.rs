@@ -138,6 +138,14 @@ fn assert_files(dir: &std::path::Path, report: &Report) -> serde_json::Value {
 
     let svg = std::fs::read_to_string(dir.join("report.svg")).unwrap();
     assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
+    // The engine's adaptive limit, sampled from /metrics over the run (pinned in the test
+    // engine: the same places all along, ready, nothing shed), and its panel.
+    let points = &report.admission;
+    assert!(!points.is_empty(), "no admission samples with --admin");
+    assert!(points.windows(2).all(|w| w[0].t_ms <= w[1].t_ms), "samples out of order");
+    assert!(points.iter().all(|p| p.limit == points[0].limit && p.limit > 0 && p.ready));
+    assert!(points.iter().all(|p| p.shed == 0));
+    assert!(svg.contains("Adaptive admission limit"), "no admission panel");
     assert!(svg.trim_end().ends_with("</svg>"));
     assert!(svg.contains("Latency by percentile"));
     assert!(svg.contains("Throughput per second"));
