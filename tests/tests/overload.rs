@@ -29,17 +29,22 @@ const READY_AFTER_MS: u64 = 1_500;
 /// other's set-up (PostgreSQL within its deadline) must not starve under it.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Small windows and timers, so that the drill takes seconds.
+/// Small timers, so that the drill takes seconds. A window is longer than one pause cycle
+/// (~90 ms), so every window holds a pause's release: with a shorter one, a window that saw
+/// only the fast completions between two pauses grew the limit off its floor and restarted
+/// the unready timer (the drill passed or not with the box's speed). The 1 ms target is
+/// below what the slowed path averages over any window, so the floor holds as long as the
+/// slowing does.
 fn adaptive() -> OverloadConfig {
     OverloadConfig {
-        target_ms: 5,
-        window_ms: 50,
+        target_ms: 1,
+        window_ms: 100,
         limit_min: 2,
         limit_max: 64,
         limit_initial: 16,
         backlog_age_soft_ms: u64::MAX / 4,
         retry_ms: 50,
-        unready_after_ms: 400,
+        unready_after_ms: 500,
         ready_after_ms: READY_AFTER_MS,
     }
 }
