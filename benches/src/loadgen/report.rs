@@ -416,14 +416,19 @@ impl Report {
         t
     }
 
+    /// The lowest and highest adaptive limit sampled; `None` without samples.
+    pub fn admission_limit_range(&self) -> Option<(u64, u64)> {
+        let limits = self.admission.iter().map(|p| p.limit);
+        Some((limits.clone().min()?, limits.max()?))
+    }
+
     /// The engine's adaptive limit over the run, when it was sampled.
     fn render_admission(&self) -> String {
         let points = &self.admission;
         let (Some(first), Some(last)) = (points.first(), points.last()) else {
             return String::new();
         };
-        let (min, max) =
-            points.iter().fold((u64::MAX, 0), |(lo, hi), p| (lo.min(p.limit), hi.max(p.limit)));
+        let (min, max) = self.admission_limit_range().unwrap_or((0, 0));
         let unready = points.iter().filter(|p| !p.ready).count();
         format!(
             "\nadaptive admission: limit {} at the start, {min}..{max} over the run, {} at the end; \

@@ -185,16 +185,6 @@ fn draw_throughput<DB: DrawingBackend>(
     report: &Report,
     area: &DrawingArea<DB, plotters::coord::Shift>,
 ) -> Result<(), String> {
-    let seconds = report.throughput.len().max(1) as f64;
-    let y_max = report
-        .throughput
-        .iter()
-        .map(|s| s.scheduled.max(s.sent).max(s.answered))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64
-        * 1.15;
-    let mut chart = over_time(area, "Throughput per second", seconds, y_max, "requests / s")?;
     // Scheduled (the open-loop plan) grey and widest, sent light, answered narrow on top: all
     // three stay visible when they are equal, and a target that falls behind shows as a gap.
     let series: [ThroughputSeries; 3] = [
@@ -202,20 +192,8 @@ fn draw_throughput<DB: DrawingBackend>(
         ("sent", RGBColor(120, 160, 230), 5, |s| s.sent),
         ("answered", RGBColor(0, 130, 50), 2, |s| s.answered),
     ];
-    for (name, c, width, value) in series {
-        // A step per second: each count covers its whole second.
-        let values = report.throughput.iter().flat_map(|s| {
-            let v = value(s) as f64;
-            let x = f64::from(s.second);
-            [(x, v), (x + 1.0, v)]
-        });
-        chart
-            .draw_series(LineSeries::new(values, c.stroke_width(width)))
-            .map_err(|e| e.to_string())?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
-    }
-    legend(&mut chart, SeriesLabelPosition::LowerRight)
+    let caption = "Throughput per second";
+    draw_steps(report, area, caption, "requests / s", &series, SeriesLabelPosition::LowerRight)
 }
 
 /// What the answers of each second were: accepted, sold out, shed beside each other.
@@ -223,39 +201,46 @@ fn draw_answers<DB: DrawingBackend>(
     report: &Report,
     area: &DrawingArea<DB, plotters::coord::Shift>,
 ) -> Result<(), String> {
-    let seconds = report.throughput.len().max(1) as f64;
-    let y_max = report
-        .throughput
-        .iter()
-        .map(|s| s.accepted.max(s.sold_out).max(s.shed).max(s.other))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64
-        * 1.15;
     let shed_total: u64 = report.throughput.iter().map(|s| s.shed).sum();
     let caption = format!(
         "Answers per second: accepted, sold out, shed (OVERLOADED: {shed_total} in all), other"
     );
-    let mut chart = over_time(area, caption, seconds, y_max, "answers / s")?;
     let series: [ThroughputSeries; 4] = [
         ("accepted (QUEUED, QUEUED_PENDING)", color("QUEUED"), 3, |s| s.accepted),
         ("sold out", color("SOLD_OUT"), 3, |s| s.sold_out),
         ("shed (OVERLOADED)", color("OVERLOADED"), 3, |s| s.shed),
         ("other", color("OTHER"), 2, |s| s.other),
     ];
-    for (name, c, width, value) in series {
-        let values = report.throughput.iter().flat_map(|s| {
+    draw_steps(report, area, caption, "answers / s", &series, SeriesLabelPosition::UpperRight)
+}
+
+/// A panel of per-second counts, a step per second (each count covers its whole second),
+/// scaled to the largest of them.
+fn draw_steps<DB: DrawingBackend>(
+    report: &Report,
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    caption: impl AsRef<str>,
+    y_desc: &str,
+    series: &[ThroughputSeries],
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    let seconds = report.throughput.len().max(1) as f64;
+    let values = report.throughput.iter().flat_map(|s| series.iter().map(move |l| (l.3)(s)));
+    let y_max = values.max().unwrap_or(1).max(1) as f64 * 1.15;
+    let mut chart = over_time(area, caption, seconds, y_max, y_desc)?;
+    for &(name, c, width, value) in series {
+        let steps = report.throughput.iter().flat_map(|s| {
             let v = value(s) as f64;
             let x = f64::from(s.second);
             [(x, v), (x + 1.0, v)]
         });
         chart
-            .draw_series(LineSeries::new(values, c.stroke_width(width)))
+            .draw_series(LineSeries::new(steps, c.stroke_width(width)))
             .map_err(|e| e.to_string())?
             .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
     }
-    legend(&mut chart, SeriesLabelPosition::UpperRight)
+    legend(&mut chart, position)
 }
 
 /// The adaptive limit (places on the expensive path) over the run; red bands where it kept
@@ -266,9 +251,8 @@ fn draw_admission<DB: DrawingBackend>(
 ) -> Result<(), String> {
     let seconds = report.throughput.len().max(1) as f64;
     let points = &report.admission;
-    let y_max = points.iter().map(|p| p.limit).max().unwrap_or(1).max(1) as f64 * 1.15;
-    let (min, max) =
-        points.iter().fold((u64::MAX, 0), |(lo, hi), p| (lo.min(p.limit), hi.max(p.limit)));
+    let (min, max) = report.admission_limit_range().unwrap_or((0, 0));
+    let y_max = max.max(1) as f64 * 1.15;
     let caption = format!("Adaptive admission limit (places on the expensive path): {min}..{max}");
     let mut chart = over_time(area, caption, seconds, y_max, "limit")?;
     let unready = points.iter().filter(|p| !p.ready).map(|p| {

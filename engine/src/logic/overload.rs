@@ -45,8 +45,8 @@
 //!
 //! A limit pinned at `limit_min` for `unready_after_ms`, with demand beyond it in every
 //! window, means the path is slow even with almost nothing admitted: the instance is sick or
-//! starved, and `/readyz` (and the public health path) fail so that an L4 balancer moves new connections elsewhere (seed ch9: 本地
-//! 限流、摘除过载实例). It is ready again only after `ready_after_ms` off the floor: the two
+//! starved, and `/readyz` (and the public health path) fail so that an L4 balancer moves new
+//! connections elsewhere (seed ch9: 本地限流、摘除过载实例). It is ready again only after `ready_after_ms` off the floor: the two
 //! delays are the hysteresis that keeps readiness from flapping with the limit.
 //!
 //! Sans-I/O: time is an argument, nothing here reads a clock, blocks or allocates.

@@ -749,12 +749,7 @@ mod tests {
             redis_nodes_max: 4,
             busy_retry_ms: 1_000,
             // Out of the way of these tests (its own test below brings it close).
-            overload: OverloadConfig {
-                limit_min: 1_000_000,
-                limit_max: 1_000_000,
-                limit_initial: 1_000_000,
-                ..OverloadConfig::default()
-            },
+            overload: OverloadConfig { limit_max: 1_000_000, ..OverloadConfig::default() }.pinned(),
         }
     }
 
