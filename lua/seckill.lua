@@ -32,6 +32,8 @@ local ID_LEN_MAX = 128
 local CLAIM_BATCH_MAX = 512
 -- Reservations one mark_sent call marks (io/src/redis/script/mark_sent.rs MARK_SENT_MAX).
 local MARK_SENT_MAX = 256
+-- Outcomes one apply_results call applies (io/src/redis/script/apply_result.rs APPLY_RESULTS_MAX).
+local APPLY_RESULTS_MAX = 256
 -- 2^52 * any positive base exceeds every representable backoff_max_ms (< 10^15), so capping the
 -- exponent here only avoids computing infinities, it never changes a result.
 local BACKOFF_EXPONENT_MAX = 52
@@ -99,7 +101,11 @@ end
 --       5 resv:<reservation_id>,
 --       6 resv:pending, 7 soldout                      (all `seckill:{A:S}:`-prefixed)
 -- ARGV: 1 request_id, 2 user_id, 3 payload_hash, 4 reservation_id, 5 message_id, 6 now_ms,
---       7 pending_grace_ms
+--       7 pending_grace_ms, 8 checked_ttl_ms (optional)
+--   checked_ttl_ms: "" or absent -> meta is read and checked here (step 2 below); a number ->
+--   the caller's own snapshot of meta (re-read every second) says ACTIVE with now_ms inside
+--   the window, and this is meta.reservation_ttl_ms: meta is not read (one command fewer on
+--   the hot path; an operator's end or terminate then takes effect within that refresh).
 -- Reply: always the flat array
 --   [code, reservation_id, message_id, state, order_id, reason_code, stock_after, expires_at]
 --   with "" for absent strings; stock_after is an integer: stock left after this call for
@@ -121,10 +127,15 @@ end
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
 local function reserve(keys, args)
-  if #keys ~= 7 or #args ~= 7 then return bad('arity') end
+  if #keys ~= 7 or (#args ~= 7 and #args ~= 8) then return bad('arity') end
   local request_id, user_id, payload_hash = args[1], args[2], args[3]
   local reservation_id, message_id = args[4], args[5]
   local now_ms, grace_ms = uint(args[6]), uint(args[7])
+  local checked_ttl_ms = nil
+  if args[8] and args[8] ~= '' then
+    checked_ttl_ms = uint(args[8])
+    if not checked_ttl_ms or checked_ttl_ms < 1 then return bad('checked_ttl_ms') end
+  end
   if not id_ok(request_id) then return bad('request_id') end
   if not id_num(user_id) then return bad('user_id') end
   if not id_ok(payload_hash) then return bad('payload_hash') end
@@ -151,36 +162,44 @@ local function reserve(keys, args)
     return { 'IDEMPOTENCY_CONFLICT', '', '', '', '', '', -1, -1 }
   end
 
-  -- 2. Activity status and window.
-  local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms', 'reservation_ttl_ms')
-  if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1, -1 } end
-  if meta[1] ~= 'ACTIVE' then return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1, -1 } end
-  local start_ms, end_ms, ttl_ms = uint(meta[2]), uint(meta[3]), uint(meta[4])
-  -- Corrupt meta is a preheat bug, not a buyer's problem: refuse loudly, write nothing.
-  if not (start_ms and end_ms and ttl_ms) then return bad('meta') end
-  if now_ms < start_ms then
-    return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1, -1 }
+  -- 2. Activity status and window (unless the caller checked them: checked_ttl_ms).
+  local ttl_ms = checked_ttl_ms
+  if not ttl_ms then
+    local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms',
+      'reservation_ttl_ms')
+    if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1, -1 } end
+    if meta[1] ~= 'ACTIVE' then
+      return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1, -1 }
+    end
+    local start_ms, end_ms = uint(meta[2]), uint(meta[3])
+    ttl_ms = uint(meta[4])
+    -- Corrupt meta is a preheat bug, not a buyer's problem: refuse loudly, write nothing.
+    if not (start_ms and end_ms and ttl_ms) then return bad('meta') end
+    if now_ms < start_ms then
+      return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1, -1 }
+    end
+    if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1, -1 } end
   end
-  if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1, -1 } end
 
-  -- 3. One reservation per user.
-  local held = redis.call('GET', keys[3])
-  if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1, -1 } end
-
-  -- 4. Stock.
+  -- 3. One reservation per user, and 4. stock. Stock is read first so that a unit left costs
+  -- one command for both checks: the user marker is claimed with `SET NX GET`, which answers
+  -- the marker held (and writes nothing) or claims it. Sold out, the marker is only read, so
+  -- the sold-out path (the common one once sold out) writes nothing to replicate or append.
+  -- Either way a buyer who holds a reservation is told DUPLICATE_USER before SOLD_OUT.
   local stock = tonumber(redis.call('GET', keys[2]))
   if not stock or stock <= 0 then
-    -- Checked first so the sold-out path (the common one once sold out) writes nothing to
-    -- replicate or append.
+    local held = redis.call('GET', keys[3])
+    if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1, -1 } end
     if redis.call('EXISTS', keys[7]) == 0 then redis.call('SET', keys[7], '1') end
     return { 'SOLD_OUT', '', '', '', '', '', 0, -1 }
   end
+  local held = redis.call('SET', keys[3], reservation_id, 'NX', 'GET')
+  if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1, -1 } end
 
-  -- 5. Create.
+  -- 5. Create (the user marker is written above).
   local stock_after = redis.call('DECR', keys[2])
   local next_retry_at = fmt(now_ms + grace_ms)
   local expires_at = now_ms + ttl_ms
-  redis.call('SET', keys[3], reservation_id)
   redis.call('HSET', keys[4], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
     'message_id', message_id, 'state', 'QUEUED_PENDING', 'order_id', '', 'reason_code', '',
     'user_id', user_id)
@@ -219,10 +238,13 @@ local function mark_one(pending, resv, req, reservation_id, next_retry_at)
   local status = redis.call('HGET', resv, 'status')
   if not status then return 'NOT_FOUND' end
   if status ~= 'PENDING_MESSAGE' then return 'NOT_PENDING' end
-  redis.call('HSET', resv, 'status', 'MESSAGE_SENT')
-  if redis.call('ZSCORE', pending, reservation_id) then
-    redis.call('ZADD', pending, 'XX', next_retry_at, reservation_id)
-    redis.call('HSET', resv, 'next_retry_at', next_retry_at)
+  -- XX: a member removed meanwhile is not re-added; CH: 1 when it was re-scored. Its score and
+  -- resv.next_retry_at are always written together, so 0 for a member means its record
+  -- already holds next_retry_at.
+  if redis.call('ZADD', pending, 'XX', 'CH', next_retry_at, reservation_id) == 1 then
+    redis.call('HSET', resv, 'status', 'MESSAGE_SENT', 'next_retry_at', next_retry_at)
+  else
+    redis.call('HSET', resv, 'status', 'MESSAGE_SENT')
   end
   local state = redis.call('HMGET', req, 'reservation_id', 'state')
   if state[1] == reservation_id and state[2] == 'QUEUED_PENDING' then
@@ -383,33 +405,41 @@ end
 -- not touched (compensate does that, once).
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
-local function apply_result(keys, args)
-  if #keys ~= 4 or #args ~= 9 then return bad('arity') end
-  local reservation_id, outcome, order_id, reason_code = args[1], args[2], args[3], args[4]
-  local now_ms, request_id, payload_hash, message_id = uint(args[5]), args[6], args[7], args[8]
-  local user_id = args[9]
-  if not id_ok(reservation_id) then return bad('reservation_id') end
+-- The arguments of one outcome (ARGV order of `apply_result` 1..9 above; `a` is ARGV, `o` the
+-- offset of its reservation_id, so the batch form reuses it) checked against its keys: nil
+-- when good, else the name of the first bad argument.
+local function apply_bad(req_key, resv_key, p, a, o)
+  local reservation_id, outcome, order_id, reason_code = a[o], a[o + 1], a[o + 2], a[o + 3]
+  local request_id, payload_hash, message_id, user_id = a[o + 5], a[o + 6], a[o + 7], a[o + 8]
+  if not id_ok(reservation_id) then return 'reservation_id' end
   if outcome == 'ORDER_CREATED' then
-    if not id_ok(order_id) or reason_code ~= '' then return bad('order_id') end
+    if not id_ok(order_id) or reason_code ~= '' then return 'order_id' end
   elseif outcome == 'FAILED' then
-    if not id_ok(reason_code) or order_id ~= '' then return bad('reason_code') end
+    if not id_ok(reason_code) or order_id ~= '' then return 'reason_code' end
   else
-    return bad('outcome')
+    return 'outcome'
   end
-  if not now_ms then return bad('now_ms') end
-  if not id_ok(request_id) then return bad('request_id') end
-  if not id_ok(payload_hash) then return bad('payload_hash') end
-  if not id_ok(message_id) then return bad('message_id') end
-  if not id_num(user_id) then return bad('user_id') end
-  local p = prefix_of(keys[3], 'resv:pending')
-  if not p or keys[1] ~= p .. 'req:' .. user_id .. ':' .. request_id
-      or keys[2] ~= p .. 'resv:' .. reservation_id or keys[4] ~= p .. 'resv:stuck' then
-    return bad('keys')
+  if not uint(a[o + 4]) then return 'now_ms' end
+  if not id_ok(request_id) then return 'request_id' end
+  if not id_ok(payload_hash) then return 'payload_hash' end
+  if not id_ok(message_id) then return 'message_id' end
+  if not id_num(user_id) then return 'user_id' end
+  if req_key ~= p .. 'req:' .. user_id .. ':' .. request_id
+      or resv_key ~= p .. 'resv:' .. reservation_id then
+    return 'keys'
   end
+  return nil
+end
 
-  local req = redis.call('HMGET', keys[1], 'reservation_id', 'state', 'order_id')
+-- One checked outcome (see apply_result's contract). Five commands for a first outcome: the
+-- stuck entry is removed only when the record says the scanner put it there
+-- (last_error_code, written by claim_due) or the record is gone.
+local function apply_one(req_key, resv_key, pending, stuck, a, o)
+  local reservation_id, outcome, order_id, reason_code = a[o], a[o + 1], a[o + 2], a[o + 3]
+  local now_ms = a[o + 4]
+  local req = redis.call('HMGET', req_key, 'reservation_id', 'state', 'order_id')
   if req[1] and req[1] ~= reservation_id then return 'CONFLICT' end
-  local resv = redis.call('HMGET', keys[2], 'status', 'order_id')
+  local resv = redis.call('HMGET', resv_key, 'status', 'order_id', 'last_error_code')
   local current, current_order = nil, nil
   if resv[1] and FINAL[resv[1]] then
     current, current_order = resv[1], resv[2] or ''
@@ -432,19 +462,61 @@ local function apply_result(keys, args)
   local state = 'SUCCEEDED'
   if outcome == 'FAILED' then state = 'FAILED' end
   if req[1] then
-    redis.call('HSET', keys[1], 'state', state, 'order_id', order_id, 'reason_code', reason_code)
+    redis.call('HSET', req_key, 'state', state, 'order_id', order_id, 'reason_code', reason_code)
   else
-    redis.call('HSET', keys[1], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
-      'message_id', message_id, 'state', state, 'order_id', order_id,
-      'reason_code', reason_code, 'user_id', user_id)
+    redis.call('HSET', req_key, 'payload_hash', a[o + 6], 'reservation_id', reservation_id,
+      'message_id', a[o + 7], 'state', state, 'order_id', order_id,
+      'reason_code', reason_code, 'user_id', a[o + 8])
   end
   if resv[1] then
-    redis.call('HSET', keys[2], 'status', outcome, 'order_id', order_id,
-      'last_error_code', reason_code, 'finished_at', args[5])
+    redis.call('HSET', resv_key, 'status', outcome, 'order_id', order_id,
+      'last_error_code', reason_code, 'finished_at', now_ms)
   end
-  redis.call('ZREM', keys[3], reservation_id)
-  redis.call('ZREM', keys[4], reservation_id)
+  redis.call('ZREM', pending, reservation_id)
+  if not resv[1] or (resv[3] or '') ~= '' then redis.call('ZREM', stuck, reservation_id) end
   return 'APPLIED'
+end
+
+local function apply_result(keys, args)
+  if #keys ~= 4 or #args ~= 9 then return bad('arity') end
+  local p = prefix_of(keys[3], 'resv:pending')
+  local wrong = apply_bad(keys[1], keys[2], p or '', args, 1)
+  if wrong and wrong ~= 'keys' then return bad(wrong) end
+  if not p or wrong or keys[4] ~= p .. 'resv:stuck' then return bad('keys') end
+  return apply_one(keys[1], keys[2], keys[3], keys[4], args, 1)
+end
+
+-- ---------------------------------------------------------------------------------------------
+-- apply_results: the outcomes of several reservations of one SKU in one call (redis-sync's
+-- batch: the events of one fetch for one SKU), each applied exactly as `apply_result` would,
+-- in order (the same reservation twice: APPLIED, then ALREADY).
+--
+-- KEYS: 1 resv:pending, 2 resv:stuck, then per outcome i (1..n): req_i, resv_i
+-- ARGV: per outcome i, the 9 arguments of `apply_result` (ARGV 9(i-1)+1 .. 9i)
+-- n is 1..APPLY_RESULTS_MAX; every key of the SKU of KEYS[1].
+-- Reply: array of n bulk strings, APPLIED | ALREADY | CONFLICT per outcome, in order.
+-- Every argument of every outcome is checked before anything is written: a batch with one bad
+-- outcome changes nothing (the caller then applies its outcomes one by one, so the bad one
+-- fails alone).
+-- Complexity: O(n).
+-- ---------------------------------------------------------------------------------------------
+local function apply_results(keys, args)
+  local n = #args / 9
+  if n < 1 or n > APPLY_RESULTS_MAX or n ~= math.floor(n) or #keys ~= 2 + 2 * n then
+    return bad('arity')
+  end
+  local p = prefix_of(keys[1], 'resv:pending')
+  if not p or keys[2] ~= p .. 'resv:stuck' then return bad('keys') end
+  for i = 1, n do
+    local wrong = apply_bad(keys[1 + 2 * i], keys[2 + 2 * i], p, args, 9 * (i - 1) + 1)
+    if wrong then return bad(wrong) end
+  end
+  local replies = {}
+  for i = 1, n do
+    replies[i] = apply_one(keys[1 + 2 * i], keys[2 + 2 * i], keys[1], keys[2], args,
+      9 * (i - 1) + 1)
+  end
+  return replies
 end
 
 -- ---------------------------------------------------------------------------------------------
@@ -598,6 +670,7 @@ redis.register_function('reserve', reserve)
 redis.register_function('mark_sent', mark_sent)
 redis.register_function('claim_due', claim_due)
 redis.register_function('apply_result', apply_result)
+redis.register_function('apply_results', apply_results)
 redis.register_function('compensate', compensate)
 redis.register_function('preheat', preheat)
 redis.register_function('top_up', top_up)

@@ -138,6 +138,7 @@ async fn reserve_as(
     now_ms: u64,
 ) -> ReserveReply {
     let args = ReserveArgs {
+        checked_ttl_ms: None,
         request_id: &ids.request_id,
         user_id,
         payload_hash,
@@ -398,6 +399,63 @@ fn reserve_activity_invalid_branches_write_nothing() {
         let last_ms = reserve_as(&f, &ids(2), 30002, "h", T0 + WINDOW_MS - 1).await;
         assert_eq!(last_ms, created(8, T0 + WINDOW_MS - 1));
     });
+}
+
+/// `checked_ttl_ms`: the engine's snapshot of `meta` says the activity is open, so `reserve`
+/// does not read `meta` (the TTL comes from the caller); every other check is the same.
+#[test]
+fn reserve_with_a_checked_activity_does_not_read_meta() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 2).await;
+        let reads_before = command_calls(&f, "hmget").await;
+        let reply = reserve_checked(&f, 1, Some(77)).await;
+        assert_eq!(reply, ReserveReply::Created { stock_after: 1, expires_at_ms: T0 + 10 + 77 });
+        // One HMGET (the request record), none of meta.
+        assert_eq!(command_calls(&f, "hmget").await - reads_before, 1);
+        assert_eq!(hgetall(&f, &key("resv:resv_1")).await["expires_at"], (T0 + 87).to_string());
+        // The user, stock and idempotency checks are unchanged.
+        assert_eq!(reserve_checked(&f, 1, Some(77)).await, reserve_n(&f, 1).await, "a replay");
+        let last = ReserveReply::Created { stock_after: 0, expires_at_ms: T0 + 87 };
+        assert_eq!(reserve_checked(&f, 2, Some(77)).await, last);
+        assert_eq!(reserve_checked(&f, 3, Some(77)).await, ReserveReply::SoldOut);
+        // Not a TTL: refused before any write.
+        let (meta, stock) = (key("meta"), key("stock"));
+        let (user, req, resv) = (key("user:30004"), key("req:30004:req_4"), key("resv:resv_4"));
+        let (pending, soldout) = (key("resv:pending"), key("soldout"));
+        let keys7 = [&meta, &stock, &user, &req, &resv, &pending, &soldout].map(String::as_str);
+        let now = (T0 + 10).to_string();
+        for bad_ttl in ["0", "x", "-1"] {
+            let args = ["req_4", "30004", "h", "resv_4", "msg_4", &now, "2000", bad_ttl];
+            let e = fcall_raw(&f, "reserve", &keys7, &args).await;
+            assert_eq!(e, "ERR seckill: bad checked_ttl_ms", "{bad_ttl}");
+        }
+        assert!(!exists(&f, &req).await && !exists(&f, &user).await);
+    });
+}
+
+/// Request n by user 30000+n at T0 + 10 ms, with the caller's word that the activity is open
+/// (`checked_ttl_ms`).
+async fn reserve_checked(f: &Functions, n: u64, checked_ttl_ms: Option<u64>) -> ReserveReply {
+    let ids = ids(n);
+    let args = ReserveArgs {
+        checked_ttl_ms,
+        request_id: &ids.request_id,
+        user_id: 30000 + n,
+        payload_hash: "h",
+        reservation_id: &ids.reservation_id,
+        message_id: &ids.message_id,
+        now_ms: T0 + 10,
+        pending_grace_ms: GRACE_MS,
+    };
+    f.reserve(&keys(), &args).await.expect("reserve")
+}
+
+/// How many times the server ran `command` (`INFO commandstats`).
+async fn command_calls(f: &Functions, command: &str) -> u64 {
+    let info = cmd(f, &["INFO", "commandstats"]).await;
+    let text = String::from_utf8(info.as_bytes().unwrap_or_default().to_vec()).unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)?.split(',').next()?.parse().ok()).unwrap_or(0)
 }
 
 #[test]
@@ -1048,6 +1106,88 @@ fn apply_result_recreates_a_lost_request_record() {
         let created3 = FinalOutcome::OrderCreated { order_id: "ord_3" };
         assert_eq!(apply(&f, 3, created3, T0 + 100).await, ApplyResultReply::Conflict);
         assert_eq!(hgetall(&f, &key("resv:resv_3")).await["status"], "PENDING_MESSAGE");
+    });
+}
+
+/// One `apply_results` call applies a batch: each outcome gets the reply and the writes a call
+/// of its own would give, in order; a batch the library refuses changes nothing, and the
+/// binding then applies its outcomes one by one so only the bad one fails.
+#[test]
+fn apply_results_applies_a_batch_each_as_alone_and_a_bad_one_alone() {
+    with_redis(|f| async move {
+        use ApplyResultReply::{Already, Applied, Conflict};
+        preheat(&f, ActivityStatus::Active, 1, 10).await;
+        for n in 1..=4 {
+            reserve_n(&f, n).await;
+        }
+        let ids: Vec<Ids> = (1..=4).map(ids).collect();
+        let outcome = |n: usize, outcome| ApplyResultArgs {
+            request_id: &ids[n - 1].request_id,
+            reservation_id: &ids[n - 1].reservation_id,
+            outcome,
+            now_ms: T0 + 100,
+            payload_hash: "h",
+            message_id: &ids[n - 1].message_id,
+            user_id: 30000 + n as u64,
+        };
+        let created = FinalOutcome::OrderCreated { order_id: "ord_1" };
+        let failed = FinalOutcome::Failed { reason_code: "EXPIRED" };
+        // 1 twice (the second finds the first), 2 failed, then 2 as an order (a conflict).
+        let batch =
+            [outcome(1, created), outcome(1, created), outcome(2, failed), outcome(2, created)];
+        let replies: Vec<_> = f
+            .apply_results(&keys(), &batch)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(replies, vec![Applied, Already, Applied, Conflict]);
+        let req1 = hgetall(&f, &key("req:30001:req_1")).await;
+        assert_eq!((req1["state"].as_str(), req1["order_id"].as_str()), ("SUCCEEDED", "ord_1"));
+        assert_eq!(hgetall(&f, &key("resv:resv_1")).await["status"], "ORDER_CREATED");
+        assert_eq!(hgetall(&f, &key("resv:resv_2")).await["status"], "FAILED");
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, None);
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_2").await, None);
+
+        // A user id the binding lets through but the library refuses (0 is no business id):
+        // the batch is refused as a whole, so the binding applies one by one and only that
+        // outcome fails.
+        let bad = ApplyResultArgs { user_id: 0, ..outcome(4, created) };
+        let replies = f.apply_results(&keys(), &[outcome(3, failed), bad]).await.unwrap();
+        assert_eq!(replies[0].as_ref().unwrap(), &Applied);
+        assert!(matches!(&replies[1], Err(ScriptError::Refused(what)) if what == "user_id"));
+        assert_eq!(hgetall(&f, &key("resv:resv_3")).await["status"], "FAILED");
+        assert_eq!(hgetall(&f, &key("resv:resv_4")).await["status"], "PENDING_MESSAGE");
+
+        // The library itself, given that batch: refused before any write.
+        let (pending, stuck) = (key("resv:pending"), key("resv:stuck"));
+        let (req4, resv4) = (key("req:30004:req_4"), key("resv:resv_4"));
+        let args4 = ["resv_4", "ORDER_CREATED", "ord_4", "", "1", "req_4", "h", "msg_4", "30004"];
+        let mut args: Vec<&str> = args4.to_vec();
+        args.extend(["resv_4", "ORDER_CREATED", "ord_4", "", "1", "req_4", "h", "msg_4", "0"]);
+        let e = fcall_raw(
+            &f,
+            "apply_results",
+            &[&pending, &stuck, &req4, &resv4, &req4, &resv4],
+            &args,
+        )
+        .await;
+        assert_eq!(e, "ERR seckill: bad user_id");
+        assert_eq!(hgetall(&f, &resv4).await["status"], "PENDING_MESSAGE");
+        // Arity: nine arguments and two keys per outcome, at least one outcome.
+        let e = fcall_raw(&f, "apply_results", &[&pending, &stuck, &req4], &args4).await;
+        assert_eq!(e, "ERR seckill: bad arity");
+        let e = fcall_raw(&f, "apply_results", &[&pending, &stuck], &[]).await;
+        assert_eq!(e, "ERR seckill: bad arity");
+        let e =
+            fcall_raw(&f, "apply_results", &[&pending, &stuck, &req4, &resv4], &args4[..8]).await;
+        assert_eq!(e, "ERR seckill: bad arity");
+        // A stranger's key.
+        let stranger = "seckill:{9:9}:resv:resv_4";
+        let e = fcall_raw(&f, "apply_results", &[&pending, &stuck, &req4, stranger], &args4).await;
+        assert_eq!(e, "ERR seckill: bad keys");
+        assert_eq!(hgetall(&f, &resv4).await["status"], "PENDING_MESSAGE");
     });
 }
 

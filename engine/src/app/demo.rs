@@ -28,12 +28,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use crate::app::config::{self, Config, Overrides};
-use crate::app::demo_cpu;
 use crate::app::serve::{self, Pinning, ServeConfig};
 use crate::app::stack::balancer::Balancer;
 use crate::app::stack::nats_cluster::NatsCluster;
 use crate::app::stack::pg_standbys::PgStandbys;
 use crate::app::stack::{self, RedisCluster, StackError, Topology};
+use crate::app::{demo_cpu, demo_redis};
 use crate::logic::auth::{PassKeys, DEV_PASS_KEYS};
 
 /// A fault injected mid-sale.
@@ -123,6 +123,14 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
         None => None,
     };
     let target = balancer.as_ref().map_or(handle.http_addr, |b| b.addr);
+    let prefix = format!("seckill:{{{ACTIVITY_ID}:{SKU_ID}}}:");
+    let redis = demo_redis::Account::start(&servers, &format!("{prefix}stock"))
+        .map_err(|e| eprintln!("demo: no Redis account: {e:#}"))
+        .ok()
+        .map(|account| {
+            let stock = plan.stock;
+            std::thread::spawn(move || account.finish(&prefix, stock))
+        });
     let mut loadgen = loadgen_command(plan, &config, target, handle.admin_addr)
         .spawn()
         .context("run flashsale-loadgen")?;
@@ -135,6 +143,7 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     });
     let status = loadgen.wait().context("wait for flashsale-loadgen")?;
     let samples = sampler.map(demo_cpu::Sampler::finish);
+    let redis = redis.map(|t| t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("panicked"))));
     let (fault_report, second) = match fault.map(|t| t.join()) {
         Some(Ok((report, second))) => (Some(report), second),
         Some(Err(_)) => (Some(serde_json::json!({"error": "the fault thread panicked"})), None),
@@ -148,6 +157,14 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     handle.shutdown();
     stack::down(&plan.dir, false)?;
     add_fault_and_cpu(plan, fault_report, samples)?;
+    match redis {
+        Some(Ok(account)) => {
+            println!("{}", demo_redis::render(&account));
+            add_to_report(&plan.json, "redis", account)?;
+        }
+        Some(Err(e)) => eprintln!("demo: no Redis account: {e:#}"),
+        None => {}
+    }
     anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
     eprintln!("demo: report in {}, picture in {}", plan.json.display(), plan.svg.display());
     Ok(())

@@ -12,11 +12,17 @@
 //!    timeout (`log.publish_timeout_ms`) is a failure. So slow acks never close submissions
 //!    while NATS answers, and a log that stops answering still opens the circuit;
 //! 3. on the log's ack the answer goes out (`QUEUED`) and, best effort and off the buyer's
-//!    answer, the reservation is queued for `mark_sent` (status `MESSAGE_SENT`, the pending
-//!    entry re-scored to the order deadline). [`Marks`] sends the acks that arrive together
-//!    as one call per SKU, and while a call is out the next batch gathers; each call is
-//!    retried within the idempotent-retry policy. A mark that fails or is never made (the
-//!    shard stopped) only means a later republish, deduplicated by message id.
+//!    answer, the reservation waits for its `mark_sent` (status `MESSAGE_SENT`, the pending
+//!    entry re-scored to the order deadline). The mark only keeps the scanner from
+//!    republishing an acknowledged message before its order deadline, so it is deferred to
+//!    half the pending grace after the ack, and not made at all when the reservation's
+//!    outcome reaches Redis first (`sync.rs` tells [`PublishPath::outcome_recorded`]): in a
+//!    healthy pipeline most units never need one, which saves five Redis commands each.
+//!    [`Marks`] sends the marks that fall due together as one call per SKU, and while a call
+//!    is out the next batch gathers; each call is retried within the idempotent-retry
+//!    policy. A mark that fails or is never made (the shard stopped) only means a later
+//!    republish, deduplicated by message id; a stopping shard makes its deferred marks at
+//!    once.
 //!
 //! The `Nats-Msg-Id` is the message id itself, except for a message the log already
 //! acknowledged whose outcome is overdue ([`MsgIdentity::Attempt`]): JetStream's duplicate
@@ -25,6 +31,7 @@
 //! keyed by the body's message id, turns a copy into a duplicate that re-emits the outcome.
 
 use std::cell::{Cell, RefCell};
+use std::collections::{HashSet, VecDeque};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -104,6 +111,11 @@ impl PublishPath {
         self.marks.is_idle()
     }
 
+    /// The final outcome of `reservation_id` is in Redis: its deferred mark is not needed.
+    pub fn outcome_recorded(&self, reservation_id: &str) {
+        self.marks.awaiting.borrow_mut().remove(reservation_id);
+    }
+
     fn metrics(&self) -> &ShardMetrics {
         self.shared.shard_metrics(self.id)
     }
@@ -131,6 +143,7 @@ pub async fn publish_order(
         user_id: message.user_id,
         identity,
         origin,
+        due_ms: mark_due_ms(path.config().pending_grace_ms, message.reserved_at_ms, origin),
     };
     let mut reply = send(path, message, identity);
     let wait = Duration::from_millis(path.config().publish_wait_ms);
@@ -192,6 +205,19 @@ struct MarkRequest {
     user_id: u64,
     identity: MsgIdentity,
     origin: Origin,
+    /// When the mark is made if the outcome has not reached Redis by then.
+    due_ms: u64,
+}
+
+/// When a fresh reservation's mark falls due: a quarter of the pending grace before the
+/// scanner would republish it (what is left covers the mark's own round trip on a busy
+/// shard; a mark that is late anyway costs one republish, deduplicated by message id). A
+/// scanner's republish is marked at once: its pending entry is due again after one backoff.
+fn mark_due_ms(pending_grace_ms: u64, reserved_at_ms: u64, origin: Origin) -> u64 {
+    match origin {
+        Origin::Submit => reserved_at_ms + pending_grace_ms - pending_grace_ms / 4,
+        Origin::Scanner => 0,
+    }
 }
 
 /// The log has the message: count a republish, queue the reservation's mark.
@@ -204,33 +230,75 @@ fn acked(path: &Rc<PublishPath>, keys: &Rc<SkuKeys>, mark: MarkRequest) {
     if mark.identity == MsgIdentity::Attempt {
         return;
     }
-    path.marks.queue.borrow_mut().push((Rc::clone(keys), mark));
-    if !path.marks.flushing.replace(true) {
+    path.marks.awaiting.borrow_mut().insert(mark.reservation_id.clone());
+    path.marks.deferred.borrow_mut().push_back((Rc::clone(keys), mark));
+    if !path.marks.waiting.replace(true) {
         let path = Rc::clone(path);
-        glommio::spawn_local(async move { flush_marks(&path).await }).detach();
+        glommio::spawn_local(async move { wait_marks(&path).await }).detach();
     }
 }
 
 /// The acks of one shard whose `mark_sent` is still to be made (step 3 of the module
-/// documentation), and whether a task is sending them.
+/// documentation): deferred until due, then queued and sent; and whether a task is waiting
+/// for due marks or sending them.
 #[derive(Default)]
 struct Marks {
+    /// In ack order, so nearly in order of the time each falls due (a mark due earlier
+    /// behind a later one waits for it: at most one `MARK_TICK_MS` late for acks that arrive
+    /// together).
+    deferred: RefCell<VecDeque<(Rc<SkuKeys>, MarkRequest)>>,
+    /// Reservations in `deferred` whose outcome has not reached Redis yet.
+    awaiting: RefCell<HashSet<String>>,
+    waiting: Cell<bool>,
     queue: RefCell<Vec<(Rc<SkuKeys>, MarkRequest)>>,
     flushing: Cell<bool>,
 }
 
 impl Marks {
-    /// No mark waiting or being sent.
+    /// No mark deferred, waiting or being sent.
     fn is_idle(&self) -> bool {
-        !self.flushing.get()
+        !self.waiting.get() && !self.flushing.get()
     }
+
+    /// Moves the marks due at `now_ms` (every one when `all`) whose outcome is still unknown
+    /// to the send queue; true when any was queued.
+    fn take_due(&self, now_ms: u64, all: bool) -> bool {
+        let mut deferred = self.deferred.borrow_mut();
+        let mut awaiting = self.awaiting.borrow_mut();
+        let mut queue = self.queue.borrow_mut();
+        let before = queue.len();
+        while deferred.front().is_some_and(|(_, mark)| all || mark.due_ms <= now_ms) {
+            let Some((keys, mark)) = deferred.pop_front() else { break };
+            if awaiting.remove(&mark.reservation_id) {
+                queue.push((keys, mark));
+            }
+        }
+        queue.len() > before
+    }
+}
+
+/// How often deferred marks are looked at.
+const MARK_TICK_MS: u64 = 20;
+
+/// Until no mark is deferred: queues the due ones and sends them (all of them once the shard
+/// stops).
+async fn wait_marks(path: &Rc<PublishPath>) {
+    while !path.marks.deferred.borrow().is_empty() {
+        glommio::timer::sleep(Duration::from_millis(MARK_TICK_MS)).await;
+        let stopping = path.shared.is_stopping();
+        if path.marks.take_due(now_ms(), stopping) && !path.marks.flushing.replace(true) {
+            let path = Rc::clone(path);
+            glommio::spawn_local(async move { flush_marks(&path).await }).detach();
+        }
+    }
+    path.marks.waiting.set(false);
 }
 
 /// Sends the queued marks, one call per SKU (at most [`MARK_SENT_MAX`] each), until none is
 /// left. Marks queued while a call is out wait for the next round.
 async fn flush_marks(path: &PublishPath) {
     loop {
-        // The other acks of this poll of the shard join the batch first.
+        // The other marks of this poll of the shard join the batch first.
         futures_lite::future::yield_now().await;
         let mut batch = std::mem::take(&mut *path.marks.queue.borrow_mut());
         if batch.is_empty() {
@@ -326,4 +394,57 @@ async fn cross(path: &PublishPath) {
         }
     }
     futures::future::join_all(answers).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mark(reservation_id: &str, due_ms: u64) -> MarkRequest {
+        MarkRequest {
+            reservation_id: reservation_id.to_owned(),
+            request_id: format!("req_{reservation_id}"),
+            user_id: 7,
+            identity: MsgIdentity::Original,
+            origin: Origin::Submit,
+            due_ms,
+        }
+    }
+
+    fn defer(marks: &Marks, keys: &Rc<SkuKeys>, due_ms: u64, reservation_id: &str) {
+        marks.awaiting.borrow_mut().insert(reservation_id.to_owned());
+        marks.deferred.borrow_mut().push_back((Rc::clone(keys), mark(reservation_id, due_ms)));
+    }
+
+    #[test]
+    fn a_fresh_mark_falls_due_a_quarter_grace_before_the_scanner_and_a_republish_at_once() {
+        assert_eq!(mark_due_ms(2_000, 10_000, Origin::Submit), 11_500);
+        assert_eq!(mark_due_ms(2_000, 10_000, Origin::Scanner), 0);
+    }
+
+    fn queued(marks: &Marks) -> Vec<String> {
+        marks.queue.borrow().iter().map(|(_, m)| m.reservation_id.clone()).collect()
+    }
+
+    #[test]
+    fn a_deferred_mark_is_sent_when_due_unless_its_outcome_came_first() {
+        let marks = Marks::default();
+        let keys = Rc::new(SkuKeys::new(1, 2));
+        defer(&marks, &keys, 100, "r1");
+        defer(&marks, &keys, 110, "r2");
+        defer(&marks, &keys, 200, "r3");
+        // r2's outcome reached Redis before its mark fell due: no mark for it.
+        marks.awaiting.borrow_mut().remove("r2");
+
+        assert!(!marks.take_due(99, false), "nothing due yet");
+        assert!(marks.take_due(150, false));
+        assert_eq!(queued(&marks), ["r1"]);
+        assert_eq!(marks.deferred.borrow().len(), 1, "r3 still deferred");
+        // A stopping shard sends every deferred mark at once.
+        assert!(marks.take_due(150, true));
+        assert_eq!(queued(&marks), ["r1", "r3"]);
+        assert!(marks.deferred.borrow().is_empty() && marks.awaiting.borrow().is_empty());
+        // Nothing left to take.
+        assert!(!marks.take_due(u64::MAX, true));
+    }
 }

@@ -26,52 +26,112 @@ use crate::durable::DurableRequest;
 use crate::logic::clock::now_ms;
 use crate::logic::placement::SkuKey;
 
-/// Applies one event to Redis and the local flags.
-pub async fn apply(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(), ScriptError> {
-    #[cfg(feature = "failpoints")]
-    fail::fail_point!("sync_before_apply");
-    let action = match event.action() {
-        Ok(action) => action,
-        // decode_event validated it; an event that lost its fields here is ignored.
-        Err(_) => return Ok(()),
-    };
-    match action {
-        EventAction::OrderCreated { order_id } => {
-            apply_result(shard, event, FinalOutcome::OrderCreated { order_id }).await
+/// Applies the events of one request to Redis and the local flags; one result per event, in
+/// order. The final outcomes go first, one `apply_results` call per SKU (a fetch's events for
+/// a SKU in one round trip), then the compensations, each after its event's outcome.
+pub async fn apply_all(shard: &Shard, events: &[ReservationEvent]) -> Vec<Result<(), String>> {
+    let actions: Vec<Option<EventAction<'_>>> = events
+        .iter()
+        .map(|event| {
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("sync_before_apply");
+            // decode_event validated it; an event that lost its fields here is ignored.
+            event.action().ok()
+        })
+        .collect();
+    let mut results: Vec<Result<(), String>> = vec![Ok(()); events.len()];
+    let outcomes = actions.iter().enumerate().filter_map(|(i, action)| {
+        let outcome = match (*action)? {
+            EventAction::OrderCreated { order_id } => FinalOutcome::OrderCreated { order_id },
+            EventAction::Failed { reason } | EventAction::Compensate { reason, .. } => {
+                FinalOutcome::Failed { reason_code: reason.reason_code() }
+            }
+            EventAction::OrderReleased { .. } | EventAction::Other(_) => return None,
+        };
+        Some((i, outcome))
+    });
+    apply_results(shard, events, outcomes.collect(), &mut results).await;
+    let compensations = actions.iter().enumerate().filter_map(|(i, action)| {
+        let (reason_code, compensation) = match (*action)? {
+            EventAction::Compensate { reason, compensation } => {
+                (reason.reason_code(), compensation)
+            }
+            EventAction::OrderReleased { compensation } => (ORDER_CANCELLED_REASON, compensation),
+            _ => return None,
+        };
+        // A compensation follows its event's outcome, never precedes it.
+        results[i].is_ok().then_some((i, reason_code, compensation))
+    });
+    let compensated = compensations
+        .map(|(i, reason_code, compensation)| async move {
+            (i, compensate(shard, &events[i], reason_code, compensation).await)
+        })
+        .collect::<Vec<_>>();
+    for (i, result) in futures::future::join_all(compensated).await {
+        results[i] = result.map_err(|e| logged(&events[i], &e));
+    }
+    results
+}
+
+/// The final outcomes (`(event index, outcome)`) of every SKU they name, one call per SKU,
+/// the SKUs at once; each event's result goes into `results`.
+async fn apply_results(
+    shard: &Shard,
+    events: &[ReservationEvent],
+    outcomes: Vec<(usize, FinalOutcome<'_>)>,
+    results: &mut [Result<(), String>],
+) {
+    let mut per_sku: Vec<(SkuKey, Vec<(usize, ApplyResultArgs<'_>)>)> = Vec::new();
+    let now = now_ms();
+    for (i, outcome) in outcomes {
+        let event = &events[i];
+        assert_final(event, outcome);
+        let key = SkuKey::new(event.activity_id, event.sku_id);
+        let args = ApplyResultArgs {
+            request_id: &event.request_id,
+            reservation_id: &event.reservation_id,
+            outcome,
+            now_ms: now,
+            payload_hash: &event.payload_hash,
+            message_id: &event.message_id,
+            user_id: event.user_id,
+        };
+        match per_sku.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, batch)) => batch.push((i, args)),
+            None => per_sku.push((key, vec![(i, args)])),
         }
-        EventAction::Failed { reason } => {
-            let outcome = FinalOutcome::Failed { reason_code: reason.reason_code() };
-            apply_result(shard, event, outcome).await
+    }
+    let calls = per_sku.into_iter().map(|(key, batch)| async move {
+        let keys = shard.store.sku_keys(key);
+        let args: Vec<ApplyResultArgs<'_>> = batch.iter().map(|(_, a)| *a).collect();
+        (batch, shard.store.functions.apply_results(&keys, &args).await)
+    });
+    for (batch, applied) in futures::future::join_all(calls).await {
+        match applied {
+            Ok(replies) => {
+                for ((i, args), reply) in batch.iter().zip(replies) {
+                    results[*i] = match reply {
+                        Ok(_) => {
+                            // Its outcome is in Redis now: no mark of its message is needed.
+                            shard.publish.outcome_recorded(args.reservation_id);
+                            Ok(())
+                        }
+                        Err(e) => Err(logged(&events[*i], &e)),
+                    };
+                }
+            }
+            Err(e) => {
+                for (i, _) in &batch {
+                    results[*i] = Err(logged(&events[*i], &e));
+                }
+            }
         }
-        EventAction::Compensate { reason, compensation } => {
-            let outcome = FinalOutcome::Failed { reason_code: reason.reason_code() };
-            apply_result(shard, event, outcome).await?;
-            compensate(shard, event, reason.reason_code(), compensation).await
-        }
-        EventAction::OrderReleased { compensation } => {
-            compensate(shard, event, ORDER_CANCELLED_REASON, compensation).await
-        }
-        EventAction::Other(_) => Ok(()),
     }
 }
 
-async fn apply_result(
-    shard: &Shard,
-    event: &ReservationEvent,
-    outcome: FinalOutcome<'_>,
-) -> Result<(), ScriptError> {
-    assert_final(event, outcome);
-    let keys = shard.store.sku_keys(SkuKey::new(event.activity_id, event.sku_id));
-    let args = ApplyResultArgs {
-        request_id: &event.request_id,
-        reservation_id: &event.reservation_id,
-        outcome,
-        now_ms: now_ms(),
-        payload_hash: &event.payload_hash,
-        message_id: &event.message_id,
-        user_id: event.user_id,
-    };
-    shard.store.functions.apply_result(&keys, &args).await.map(|_| ())
+fn logged(event: &ReservationEvent, e: &ScriptError) -> String {
+    tracing::warn!(error = %e, reservation_id = %event.reservation_id, "redis-sync apply failed");
+    e.to_string()
 }
 
 /// INVARIANT (DESIGN.md section 4; kept in release): a reservation leaves `resv:pending` only
@@ -125,7 +185,7 @@ async fn compensate(
     Ok(())
 }
 
-/// The shard's receiving end: applies each request's events at once, one task per request
+/// The shard's receiving end: applies each request's events together, one task per request
 /// (bounded by the queue), and answers with every event's result.
 pub fn spawn_receiver(shard: &Rc<Shard>, mut rx: mpsc::Receiver<SyncRequest>) {
     let shard = Rc::clone(shard);
@@ -134,21 +194,12 @@ pub fn spawn_receiver(shard: &Rc<Shard>, mut rx: mpsc::Receiver<SyncRequest>) {
         while let Some(request) = rx.recv().await {
             let shard = Rc::clone(&shard);
             glommio::spawn_local(async move {
-                let applied = request.events.iter().map(|event| apply_logged(&shard, event));
-                let _ = request.reply.send(futures::future::join_all(applied).await);
+                let _ = request.reply.send(apply_all(&shard, &request.events).await);
             })
             .detach();
         }
     })
     .detach();
-}
-
-async fn apply_logged(shard: &Rc<Shard>, event: &ReservationEvent) -> Result<(), String> {
-    let result = apply(shard, event).await.map_err(|e| e.to_string());
-    if let Err(e) = &result {
-        tracing::warn!(error = %e, reservation_id = %event.reservation_id, "redis-sync apply failed");
-    }
-    result
 }
 
 #[cfg(test)]

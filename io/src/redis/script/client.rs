@@ -18,11 +18,13 @@ use std::cell::Cell;
 
 use bytes::BytesMut;
 
-use super::apply_result::{parse_apply_result, ApplyResultArgs, ApplyResultReply, FinalOutcome};
+use super::apply_result::{
+    parse_apply_result, parse_apply_results, ApplyResultArgs, ApplyResultReply, FinalOutcome,
+};
 use super::claim_due::{parse_claim_due, ClaimDueArgs, ClaimDueReply};
 use super::compensate::{parse_compensate, CompensateArgs, CompensateReply};
 use super::error::{server_error, unexpected, ScriptError};
-use super::keys::{check_id, SkuKeys};
+use super::keys::{check_id, KeyBuf, SkuKeys};
 use super::mark_sent::{parse_mark_sent, MarkSentArgs, MarkSentReply, MARK_SENT_MAX};
 use super::preheat::{parse_preheat, PreheatArgs, PreheatReply};
 use super::reserve::{fenced, parse_reserve, ReserveArgs, ReserveReply};
@@ -37,6 +39,12 @@ use crate::resp::{encode_fcall, Reply};
 
 /// The library source, loaded with `FUNCTION LOAD REPLACE`.
 pub const LIBRARY: &str = include_str!("../../../../lua/seckill.lua");
+
+/// Outcomes `apply_results` sends per call: five commands each for a first outcome, so a call
+/// stays far below a millisecond of Redis time and never holds the SKU's master up for the
+/// buyers behind it (the library takes up to
+/// [`APPLY_RESULTS_MAX`](super::apply_result::APPLY_RESULTS_MAX)).
+const APPLY_RESULTS_CALL: usize = 64;
 
 /// The library name declared on the first line of [`LIBRARY`].
 pub const LIBRARY_NAME: &str = "seckill";
@@ -192,6 +200,8 @@ impl Functions {
         let user_id = U64Text::new(args.user_id);
         let now_ms = U64Text::new(args.now_ms);
         let grace_ms = U64Text::new(args.pending_grace_ms);
+        let checked_ttl_ms = args.checked_ttl_ms.map(U64Text::new);
+        let checked_ttl_ms = checked_ttl_ms.as_ref().map_or(&b""[..], U64Text::as_bytes);
         let (reply, fence) = self
             .fcall(
                 keys.slot(),
@@ -214,6 +224,7 @@ impl Functions {
                     args.message_id.as_bytes(),
                     now_ms.as_bytes(),
                     grace_ms.as_bytes(),
+                    checked_ttl_ms,
                 ],
             )
             .await?;
@@ -282,47 +293,79 @@ impl Functions {
         keys: &SkuKeys,
         args: &ApplyResultArgs<'_>,
     ) -> Result<ApplyResultReply, ScriptError> {
-        check_id(args.payload_hash, "payload_hash")?;
-        check_id(args.message_id, "message_id")?;
-        let req = keys.req(args.user_id, args.request_id)?;
-        let resv = keys.resv(args.reservation_id)?;
-        let (outcome, order_id, reason_code): (&[u8], &str, &str) = match args.outcome {
-            FinalOutcome::OrderCreated { order_id } => {
-                check_id(order_id, "order_id")?;
-                (b"ORDER_CREATED", order_id, "")
-            }
-            FinalOutcome::Failed { reason_code } => {
-                check_id(reason_code, "reason_code")?;
-                (b"FAILED", "", reason_code)
-            }
-        };
-        let now_ms = U64Text::new(args.now_ms);
-        let user_id = U64Text::new(args.user_id);
-        let (reply, _plain) = self
-            .fcall(
-                keys.slot(),
-                Lane::Plain,
-                "apply_result",
-                &[
-                    req.as_bytes(),
-                    resv.as_bytes(),
-                    keys.pending().as_bytes(),
-                    keys.stuck().as_bytes(),
-                ],
-                &[
-                    args.reservation_id.as_bytes(),
-                    outcome,
-                    order_id.as_bytes(),
-                    reason_code.as_bytes(),
-                    now_ms.as_bytes(),
-                    args.request_id.as_bytes(),
-                    args.payload_hash.as_bytes(),
-                    args.message_id.as_bytes(),
-                    user_id.as_bytes(),
-                ],
-            )
-            .await?;
+        let parts = OutcomeParts::new(keys, args)?;
+        let (req, resv) = (parts.req.as_bytes(), parts.resv.as_bytes());
+        let key_refs = [req, resv, keys.pending().as_bytes(), keys.stuck().as_bytes()];
+        let (reply, _plain) =
+            self.fcall(keys.slot(), Lane::Plain, "apply_result", &key_refs, &parts.argv()).await?;
         parse_apply_result(reply)
+    }
+
+    /// One SKU's outcomes in one call (`apply_results`), one reply per outcome in order.
+    /// Each outcome is checked here first, and one this binding refuses gets its own error
+    /// without holding the others back. If the library refuses the batch (an argument this
+    /// binding let through: a binding bug), its outcomes are applied one by one, so only the
+    /// bad one fails. A transient error fails the whole call: nothing or everything may
+    /// have been applied, and every step is idempotent.
+    pub async fn apply_results(
+        &self,
+        keys: &SkuKeys,
+        outcomes: &[ApplyResultArgs<'_>],
+    ) -> Result<Vec<Result<ApplyResultReply, ScriptError>>, ScriptError> {
+        let mut replies: Vec<Option<Result<ApplyResultReply, ScriptError>>> =
+            Vec::with_capacity(outcomes.len());
+        let mut checked = Vec::with_capacity(outcomes.len());
+        for (i, args) in outcomes.iter().enumerate() {
+            match OutcomeParts::new(keys, args) {
+                Ok(parts) => {
+                    checked.push((i, parts));
+                    replies.push(None);
+                }
+                Err(e) => replies.push(Some(Err(e))),
+            }
+        }
+        for chunk in checked.chunks(APPLY_RESULTS_CALL) {
+            let applied = match self.apply_chunk(keys, chunk).await {
+                Err(e) if e.is_refusal() => self.apply_one_by_one(keys, outcomes, chunk).await,
+                applied => applied?.into_iter().map(Ok).collect(),
+            };
+            for ((i, _), reply) in chunk.iter().zip(applied) {
+                replies[*i] = Some(reply);
+            }
+        }
+        // The parser answers one reply per outcome sent, so every slot is filled.
+        let unanswered = || Err(ScriptError::UnexpectedReply("apply_results: no reply".into()));
+        Ok(replies.into_iter().map(|r| r.unwrap_or_else(unanswered)).collect())
+    }
+
+    async fn apply_chunk(
+        &self,
+        keys: &SkuKeys,
+        chunk: &[(usize, OutcomeParts<'_>)],
+    ) -> Result<Vec<ApplyResultReply>, ScriptError> {
+        let mut key_refs: Vec<&[u8]> = Vec::with_capacity(2 + 2 * chunk.len());
+        key_refs.extend([keys.pending().as_bytes(), keys.stuck().as_bytes()]);
+        let mut arg_refs: Vec<&[u8]> = Vec::with_capacity(9 * chunk.len());
+        for (_, parts) in chunk {
+            key_refs.extend([parts.req.as_bytes(), parts.resv.as_bytes()]);
+            arg_refs.extend(parts.argv());
+        }
+        let (reply, _plain) =
+            self.fcall(keys.slot(), Lane::Plain, "apply_results", &key_refs, &arg_refs).await?;
+        parse_apply_results(reply, chunk.len())
+    }
+
+    async fn apply_one_by_one(
+        &self,
+        keys: &SkuKeys,
+        outcomes: &[ApplyResultArgs<'_>],
+        chunk: &[(usize, OutcomeParts<'_>)],
+    ) -> Vec<Result<ApplyResultReply, ScriptError>> {
+        let mut replies = Vec::with_capacity(chunk.len());
+        for (i, _) in chunk {
+            replies.push(self.apply_result(keys, &outcomes[*i]).await);
+        }
+        replies
     }
 
     pub async fn compensate(
@@ -432,6 +475,54 @@ fn flag(on: bool) -> &'static [u8] {
         b"1"
     } else {
         b"0"
+    }
+}
+
+/// One outcome of `apply_result` / `apply_results`, checked: its two keys and its nine
+/// arguments (the library's ARGV order).
+struct OutcomeParts<'a> {
+    req: KeyBuf,
+    resv: KeyBuf,
+    args: &'a ApplyResultArgs<'a>,
+    outcome: &'static [u8],
+    order_id: &'a str,
+    reason_code: &'a str,
+    now_ms: U64Text,
+    user_id: U64Text,
+}
+
+impl<'a> OutcomeParts<'a> {
+    fn new(keys: &SkuKeys, args: &'a ApplyResultArgs<'a>) -> Result<OutcomeParts<'a>, ScriptError> {
+        check_id(args.payload_hash, "payload_hash")?;
+        check_id(args.message_id, "message_id")?;
+        let req = keys.req(args.user_id, args.request_id)?;
+        let resv = keys.resv(args.reservation_id)?;
+        let (outcome, order_id, reason_code): (&'static [u8], &str, &str) = match args.outcome {
+            FinalOutcome::OrderCreated { order_id } => {
+                check_id(order_id, "order_id")?;
+                (b"ORDER_CREATED", order_id, "")
+            }
+            FinalOutcome::Failed { reason_code } => {
+                check_id(reason_code, "reason_code")?;
+                (b"FAILED", "", reason_code)
+            }
+        };
+        let (now_ms, user_id) = (U64Text::new(args.now_ms), U64Text::new(args.user_id));
+        Ok(OutcomeParts { req, resv, args, outcome, order_id, reason_code, now_ms, user_id })
+    }
+
+    fn argv(&self) -> [&[u8]; 9] {
+        [
+            self.args.reservation_id.as_bytes(),
+            self.outcome,
+            self.order_id.as_bytes(),
+            self.reason_code.as_bytes(),
+            self.now_ms.as_bytes(),
+            self.args.request_id.as_bytes(),
+            self.args.payload_hash.as_bytes(),
+            self.args.message_id.as_bytes(),
+            self.user_id.as_bytes(),
+        ]
     }
 }
 

@@ -35,7 +35,10 @@ mod preheat;
 mod reserve;
 mod top_up;
 
-pub use apply_result::{parse_apply_result, ApplyResultArgs, ApplyResultReply, FinalOutcome};
+pub use apply_result::{
+    parse_apply_result, parse_apply_results, ApplyResultArgs, ApplyResultReply, FinalOutcome,
+    APPLY_RESULTS_MAX,
+};
 pub use claim_due::{parse_claim_due, ClaimDueArgs, ClaimDueReply, CLAIM_BATCH_MAX};
 pub use client::{load_library, load_library_on, Functions, LIBRARY, LIBRARY_NAME};
 pub use compensate::{parse_compensate, CompensateArgs, CompensateReply};
