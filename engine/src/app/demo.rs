@@ -28,12 +28,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use crate::app::config::{self, Config, Overrides};
+use crate::app::demo_cpu;
 use crate::app::serve::{self, Pinning, ServeConfig};
 use crate::app::stack::balancer::Balancer;
 use crate::app::stack::nats_cluster::NatsCluster;
 use crate::app::stack::pg_standbys::PgStandbys;
-use crate::app::stack::{self, RedisCluster, StackError, Topology};
-use crate::app::{demo_cpu, demo_redis};
+use crate::app::stack::{self, redis_stats, RedisCluster, StackError, Topology};
 use crate::logic::auth::{PassKeys, DEV_PASS_KEYS};
 
 /// A fault injected mid-sale.
@@ -124,7 +124,7 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     };
     let target = balancer.as_ref().map_or(handle.http_addr, |b| b.addr);
     let prefix = format!("seckill:{{{ACTIVITY_ID}:{SKU_ID}}}:");
-    let redis = demo_redis::Account::start(&servers, &format!("{prefix}stock"))
+    let redis = redis_stats::Account::start(&servers, &format!("{prefix}stock"))
         .map_err(|e| eprintln!("demo: no Redis account: {e:#}"))
         .ok()
         .map(|account| {
@@ -159,7 +159,7 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     add_fault_and_cpu(plan, fault_report, samples)?;
     match redis {
         Some(Ok(account)) => {
-            println!("{}", demo_redis::render(&account));
+            println!("{}", redis_stats::render(&account));
             add_to_report(&plan.json, "redis", account)?;
         }
         Some(Err(e)) => eprintln!("demo: no Redis account: {e:#}"),

@@ -7,7 +7,6 @@ pub mod config;
 pub mod cpu;
 pub mod demo;
 pub mod demo_cpu;
-pub mod demo_redis;
 pub mod serve;
 pub mod stack;
 pub mod startup;

@@ -31,6 +31,7 @@ mod pg_init;
 pub mod pg_standbys;
 mod process;
 mod redis_cluster;
+pub mod redis_stats;
 mod server;
 mod standalone;
 mod topology;

@@ -1,5 +1,5 @@
-//! The demo's Redis account (issue 25): how many commands and `FCALL`s the sale cost Redis
-//! per sold unit, and every command slower than 1 ms, read from the servers' own counters.
+//! The private Redis servers' own counters as the demo reads them (issue 25): how many
+//! commands and `FCALL`s a sale cost Redis per sold unit, and every command slower than 1 ms.
 //!
 //! Before the load: `CONFIG RESETSTAT`, `SLOWLOG RESET` and a 1 ms slow-log threshold on each
 //! master. A watcher then polls the hot SKU's master every [`POLL_MS`] until the SKU is sold out
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use flashsale_io::resp::Reply;
 
-use super::stack::{redis_call, Kind, Server};
+use super::{redis_call, Kind, Server};
 
 /// How often the watcher looks whether the sale's Redis work is done.
 const POLL_MS: u64 = 100;
