@@ -70,8 +70,13 @@ fn provider_at_start(closer: &crate::payments::CloserConfig) -> Option<crate::pr
             Some(provider)
         }
         Err(e) => {
-            // validate() refused this config before start; hold rather than close blind.
-            tracing::error!(error = %e, "payment provider unusable: due orders are held PAYMENT_UNKNOWN");
+            // validate() refused this config before start; if it still happens, the closer
+            // does what it does without a provider (by default: hold, never close blind).
+            tracing::error!(
+                error = %e,
+                without_provider = closer.without_provider.mode_label(),
+                "payment provider unusable: the closer acts as without a provider"
+            );
             None
         }
     }
