@@ -15,6 +15,9 @@
 //!   NAK with backoff, dead letter) and the event each outcome announces;
 //!   `compensation`: THE rule of which Redis effects each rejection undoes;
 //! - `outbox`: `SKIP LOCKED` batches of `event_outbox` to `SECKILL_EVENTS`;
+//! - `payments`: callbacks, cancel, the closer; `payment_unknown`: orders held PAYMENT_UNKNOWN
+//!   without a provider to ask; `payment_statement` (sans-I/O) and `payment_reconcile`: the
+//!   provider's statement compared with, and applied through, the payment state machine;
 //! - `worker`: the pool of tasks on its own tokio runtime (`start` →
 //!   `WorkerHandle`; `WorkerConfig` in `worker/config.rs`, one file per task), used by
 //!   `flashsale serve` and `flashsale worker`;
@@ -45,6 +48,9 @@ pub mod migrate;
 pub mod order_path;
 pub mod order_writer;
 pub mod outbox;
+pub mod payment_reconcile;
+pub mod payment_statement;
+pub mod payment_unknown;
 pub mod payments;
 pub mod plan;
 pub mod pool;

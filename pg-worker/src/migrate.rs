@@ -80,6 +80,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "bounds_and_price",
         sql: include_str!("../migrations/0007_bounds_and_price.sql"),
     },
+    Migration {
+        version: 8,
+        name: "payment_hold",
+        sql: include_str!("../migrations/0008_payment_hold.sql"),
+    },
 ];
 
 // A malformed list is a build defect: catch it at compile time.

@@ -13,10 +13,12 @@
 //!   [`CallbackOutcome::RefundNeeded`] and never resurrects the order.
 //! - [`cancel_order`]: the owner's cancel of an unpaid order (waits for the row lock, so
 //!   against a racing PAID exactly one of the two wins).
-//! - [`close_due_orders`]: one bounded round of the closer: candidates past their activity's
-//!   `pay_timeout_ms` that are authoritatively unpaid, each closed in its own transaction with
-//!   `FOR UPDATE SKIP LOCKED` (several closers, or a callback in flight, never wait on each
-//!   other). `PAYMENT_UNKNOWN` orders are never candidates: unknown keeps its stock.
+//! - [`close_due_orders`]: one bounded round of the unverified closer, which an operator must
+//!   opt in to (`[payments] close_unpaid_without_provider`, [`WithoutProvider::CloseUnverified`];
+//!   the default without a provider holds such orders instead: `payment_unknown.rs`):
+//!   candidates past their activity's `pay_timeout_ms` without a PAID payment, each closed in
+//!   its own transaction with `FOR UPDATE SKIP LOCKED` (several closers, or a callback in
+//!   flight, never wait on each other). `PAYMENT_UNKNOWN` orders are never candidates.
 //! - [`mark_payment_unknown`]: a provider timeout (the payment's fate cannot be learnt now)
 //!   moves a PENDING_PAYMENT order to PAYMENT_UNKNOWN, so the closer keeps its unit.
 //! - [`close_due_orders_verified`]: the closer with a payment provider configured
@@ -61,7 +63,7 @@ const RELEASE_SQL: &str = "\
 /// oldest first. The first bound (`created_at` older than the shortest pay timeout of any
 /// activity) lets `orders_pending_payment_idx` stop the scan early; the per-activity bound and
 /// the payment check are then filters. The function re-checks all of it under the row lock.
-const CLOSE_CANDIDATES_SQL: &str = "\
+pub(crate) const CLOSE_CANDIDATES_SQL: &str = "\
     SELECT o.order_id FROM orders o \
     JOIN activity a ON a.activity_id = o.activity_id \
     WHERE o.status = 'PENDING_PAYMENT' \
@@ -326,16 +328,49 @@ pub struct CloserConfig {
     /// Orders looked at per round (1..=[`CLOSE_BATCH_MAX`]).
     pub batch_max: usize,
     /// The payment provider asked before each close ([`close_due_orders_verified`]); `None`:
-    /// orders without a callback are closed unverified ([`close_due_orders`]; the worker logs
-    /// that at start).
+    /// what happens to an order without a callback is [`CloserConfig::without_provider`].
     pub provider: Option<ProviderConfig>,
+    /// Without a provider: hold due orders PAYMENT_UNKNOWN (the default) or, only when the
+    /// operator opted in, close them unverified. Ignored when `provider` is set.
+    pub without_provider: WithoutProvider,
+}
+
+/// What the closer does, with no payment provider to ask, to an unpaid order past its pay
+/// timeout (seed ch9 §7.10: a unit whose payment may have happened is never resold on a
+/// guess).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WithoutProvider {
+    /// PAYMENT_UNKNOWN, its unit kept, listed and alerted until the provider's word arrives
+    /// (a callback, or its statement reconciled); closed only on a recorded FAILED/CLOSED
+    /// (`payment_unknown::hold_due_orders`).
+    #[default]
+    HoldUnknown,
+    /// Closed and its unit released without asking anyone ([`close_due_orders`]): a payment
+    /// whose callback is late sees its unit resold. An explicit opt-in
+    /// (`[payments] close_unpaid_without_provider = true`), logged loudly at start.
+    CloseUnverified,
+}
+
+impl WithoutProvider {
+    /// The label of `flashsale_payment_closer_mode{mode}` for this choice.
+    pub fn mode_label(self) -> &'static str {
+        match self {
+            WithoutProvider::HoldUnknown => "hold_unknown",
+            WithoutProvider::CloseUnverified => "close_unverified",
+        }
+    }
 }
 
 impl Default for CloserConfig {
     fn default() -> CloserConfig {
         // Pay timeouts are minutes; a second of lateness is noise, and a round that finds
         // nothing costs one index probe.
-        CloserConfig { interval_ms: 1_000, batch_max: 128, provider: None }
+        CloserConfig {
+            interval_ms: 1_000,
+            batch_max: 128,
+            provider: None,
+            without_provider: WithoutProvider::HoldUnknown,
+        }
     }
 }
 

@@ -744,9 +744,14 @@ fn payment_callbacks_over_http() {
     assert_eq!((status, state(&v)), (503, "PAYMENTS_DISABLED"));
 }
 
+/// With the explicit opt-in to closing without a provider (`[payments]
+/// close_unpaid_without_provider`); the default holds such orders (tests/tests/payments_recovery.rs).
 #[test]
 fn the_worker_closes_unpaid_orders_and_keeps_unknown_ones() {
-    let engine = engine_with_worker(|w| w.closer.interval_ms = 100);
+    let engine = engine_with_worker(|w| {
+        w.closer.interval_ms = 100;
+        w.closer.without_provider = flashsale_pg_worker::payments::WithoutProvider::CloseUnverified;
+    });
     let key = HmacKey::from_hex(PAY_KEY_HEX).unwrap();
     let (a, s) = (401, 402);
     // A pay timeout short enough to pass during the test.

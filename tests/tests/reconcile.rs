@@ -536,6 +536,9 @@ fn a_cancelled_and_a_closed_order_reconcile_ok_with_exact_counts() {
     let engine = Engine::start_with(|c| {
         let mut worker = small_worker(c);
         worker.closer.interval_ms = 100;
+        // Buyer 2's order is closed at its timeout without a provider: the explicit opt-in.
+        worker.closer.without_provider =
+            flashsale_pg_worker::payments::WithoutProvider::CloseUnverified;
         c.worker = Some(worker);
         c.edge.payment_key = Some(HmacKey::from_hex(PAY_KEY).unwrap());
     });

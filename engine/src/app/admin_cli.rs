@@ -11,6 +11,12 @@
 //!   mode --show` prints the global mode. Exit 0 when accepted.
 //! - `flashsale admin refunds`: `GET /admin/v1/refunds`, the payments recorded REFUND_NEEDED
 //!   (order id, payment id, amount, since) as JSON; exit 0 when listed.
+//! - `flashsale admin payments unknown`: `GET /admin/v1/payments/unknown`, the orders held
+//!   PAYMENT_UNKNOWN (their units kept) with why; exit 0 when listed. `flashsale admin payments
+//!   reconcile --statement FILE [--apply] [--pg-url URL]`: the provider's statement against
+//!   PostgreSQL, and with `--apply` the differences fed to the payment state machine
+//!   (`payments_cli.rs`: the one call that goes to PostgreSQL, not to the engine); exit 0 when
+//!   nothing is left open.
 //! - `flashsale admin stuck list --activity A --sku S`: the SKU's stuck reservations (oldest
 //!   first, with what each may be resolved by); `flashsale admin stuck resolve --activity A
 //!   --sku S --reservation R (--republish | --compensate)`: `POST
@@ -80,6 +86,9 @@ pub enum AdminCommand {
     Mode(ModeArgs),
     /// Payments whose money must go back (recorded REFUND_NEEDED), oldest first, as JSON.
     Refunds,
+    /// Orders held PAYMENT_UNKNOWN, and the payment channel's statement reconciled.
+    #[command(subcommand)]
+    Payments(PaymentsCommand),
     /// Reservations past the recovery deadline with no outcome: list, or resolve one.
     #[command(subcommand)]
     Stuck(StuckCommand),
@@ -90,6 +99,29 @@ pub enum AdminCommand {
     /// stock, set the release policy. Each change is versioned and recorded with `--actor`.
     #[command(subcommand)]
     Activity(ActivityCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PaymentsCommand {
+    /// Orders held PAYMENT_UNKNOWN (their unit kept until the provider's word), oldest first.
+    Unknown,
+    /// Compare the provider's statement (CSV `payment_id,order_id,amount_cents,status,at`)
+    /// with PostgreSQL; `--apply` feeds the differences it can settle to the payment state
+    /// machine (idempotent: the same statement twice changes nothing the second time).
+    Reconcile(StatementArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatementArgs {
+    /// The provider's statement (README "Recovery → payments" for the format).
+    #[arg(long)]
+    pub statement: PathBuf,
+    /// Apply the differences (without it: report only).
+    #[arg(long)]
+    pub apply: bool,
+    /// PostgreSQL to reconcile (overrides FLASHSALE_PG_URL).
+    #[arg(long)]
+    pub pg_url: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -288,7 +320,12 @@ where
 /// Runs one admin call, writing its answer to `out`; returns the exit status (0 ok, 1 the
 /// call answered "not ok"). Errors (engine unreachable, refused) are exit status 1 in `main`.
 pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8> {
-    let overrides = Overrides { admin_addr: args.admin_addr.clone(), ..Overrides::default() };
+    let pg_url = match &args.command {
+        AdminCommand::Payments(PaymentsCommand::Reconcile(s)) => s.pg_url.clone(),
+        _ => None,
+    };
+    let overrides =
+        Overrides { admin_addr: args.admin_addr.clone(), pg_url, ..Overrides::default() };
     let config = Config::load(args.config.as_deref(), env, &overrides, &args.stack_dir)?;
     let client = AdminClient {
         addr: crate::app::serve::loopback(config.admin_addr),
@@ -302,6 +339,14 @@ pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8
             mode(&client, mode_args, config.control_key.as_deref(), out)?
         }
         AdminCommand::Refunds => refunds(&client, out)?,
+        AdminCommand::Payments(PaymentsCommand::Unknown) => {
+            print_listing(&client, "/admin/v1/payments/unknown", "PAYMENT_UNKNOWN orders", out)?
+        }
+        AdminCommand::Payments(PaymentsCommand::Reconcile(s)) => {
+            use flashsale_pg_worker::payment_reconcile::ReconcileMode;
+            let mode = if s.apply { ReconcileMode::Apply } else { ReconcileMode::Report };
+            crate::app::payments_cli::reconcile(&config.pg_url, &s.statement, mode, out)?
+        }
         AdminCommand::Stuck(StuckCommand::List(sku)) => stuck_list(&client, sku, out)?,
         AdminCommand::Stuck(StuckCommand::Resolve(resolve)) => {
             stuck_resolve(&client, resolve, out)?

@@ -39,6 +39,9 @@ pub struct Config {
     /// `FLASHSALE_REDIS_MIN_REPLICA_ACKS` over `[redis] min_replica_acks` over `auto` (1 when
     /// every master serving the SKUs has a replica, else 0 with a start-up warning).
     pub redis_min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks,
+    /// `FLASHSALE_REDIS_ALLOW_EVICTION` over `[redis] allow_eviction` (default false →
+    /// `Enforce`): whether a master without `maxmemory-policy noeviction` refuses the start.
+    pub redis_eviction: crate::logic::redis_settings::EvictionCheck,
     pub pg_url: String,
     pub nats_url: String,
     pub http_addr: SocketAddr,
@@ -94,6 +97,11 @@ pub struct PaymentsSettings {
     /// `[payments] backoff_min_ms` / `backoff_max_ms`: asking again about an unknown order.
     pub backoff_min_ms: Option<u64>,
     pub backoff_max_ms: Option<u64>,
+    /// `FLASHSALE_PAYMENT_CLOSE_UNPAID_WITHOUT_PROVIDER` over `[payments]
+    /// close_unpaid_without_provider` (default false): without a `status_url`, orders past
+    /// their pay timeout are held PAYMENT_UNKNOWN with their unit (`HoldUnknown`) unless this
+    /// opts in to closing them unverified (`CloseUnverified`, logged loudly at start).
+    pub without_provider: flashsale_pg_worker::payments::WithoutProvider,
 }
 
 impl PaymentsSettings {
@@ -128,6 +136,7 @@ struct PaymentsSection {
     status_attempts: Option<u32>,
     backoff_min_ms: Option<u64>,
     backoff_max_ms: Option<u64>,
+    close_unpaid_without_provider: Option<bool>,
 }
 
 /// `[payments]` and `FLASHSALE_PAYMENT_STATUS_URL`, checked with the provider's own validation
@@ -144,12 +153,22 @@ fn payments_settings(
         .or(section.status_url)
         .map(|u| u.trim().to_owned())
         .filter(|u| !u.is_empty());
+    let close_unverified = flag(
+        env,
+        "FLASHSALE_PAYMENT_CLOSE_UNPAID_WITHOUT_PROVIDER",
+        section.close_unpaid_without_provider,
+    )?;
     let settings = PaymentsSettings {
         status_url,
         timeout_ms: section.status_timeout_ms,
         attempts: section.status_attempts,
         backoff_min_ms: section.backoff_min_ms,
         backoff_max_ms: section.backoff_max_ms,
+        without_provider: if close_unverified {
+            flashsale_pg_worker::payments::WithoutProvider::CloseUnverified
+        } else {
+            flashsale_pg_worker::payments::WithoutProvider::HoldUnknown
+        },
     };
     if settings.status_url.is_some() {
         let hex = payment_key.ok_or_else(|| {
@@ -366,6 +385,7 @@ struct RedisSection {
     url: Option<String>,
     /// A number or `"auto"`.
     min_replica_acks: Option<String>,
+    allow_eviction: Option<bool>,
 }
 
 /// `[http]`: the public listener and its connections (see [`HttpSettings`]).
@@ -450,6 +470,7 @@ impl Config {
         Ok(Config {
             redis_url: check_redis_url(endpoints.redis_url)?,
             redis_min_replica_acks: endpoints.redis_min_replica_acks,
+            redis_eviction: endpoints.redis_eviction,
             pg_url: check_pg_url(endpoints.pg_url)?,
             nats_url,
             http_addr: parse_addr("FLASHSALE_HTTP_ADDR", &endpoints.http_addr)?,
@@ -487,6 +508,7 @@ struct Layers<'a> {
 struct Endpoints {
     redis_url: String,
     redis_min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks,
+    redis_eviction: crate::logic::redis_settings::EvictionCheck,
     pg_url: String,
     nats_url: String,
     http_addr: String,
@@ -522,9 +544,14 @@ impl Layers<'_> {
         admin: Option<AdminSection>,
     ) -> Result<Endpoints, ConfigError> {
         let (flags, stack) = (self.flags, self.stack.as_ref());
-        let (file_redis_url, file_acks) =
-            redis.map_or((None, None), |s| (s.url, s.min_replica_acks));
+        let (file_redis_url, file_acks, file_eviction) =
+            redis.map_or((None, None, None), |s| (s.url, s.min_replica_acks, s.allow_eviction));
         let redis_min_replica_acks = min_replica_acks(self.env, file_acks)?;
+        let redis_eviction = if flag(self.env, "FLASHSALE_REDIS_ALLOW_EVICTION", file_eviction)? {
+            crate::logic::redis_settings::EvictionCheck::Overridden
+        } else {
+            crate::logic::redis_settings::EvictionCheck::Enforce
+        };
         let redis_url = self.pick(
             &flags.redis_url,
             "FLASHSALE_REDIS_URL",
@@ -560,6 +587,7 @@ impl Layers<'_> {
         Ok(Endpoints {
             redis_url,
             redis_min_replica_acks,
+            redis_eviction,
             pg_url,
             nats_url,
             http_addr,
@@ -644,6 +672,22 @@ fn min_replica_acks(
             name: "FLASHSALE_REDIS_MIN_REPLICA_ACKS",
             message,
         }),
+    }
+}
+
+/// A yes/no setting: `var` (`true`/`false`, `1`/`0`, `yes`/`no`) over the file's value over
+/// false.
+fn flag(env: &Env, var: &'static str, file: Option<bool>) -> Result<bool, ConfigError> {
+    match env.get(var).map(|t| t.trim().to_ascii_lowercase()) {
+        None => Ok(file.unwrap_or(false)),
+        Some(text) => match text.as_str() {
+            "true" | "1" | "yes" => Ok(true),
+            "false" | "0" | "no" | "" => Ok(false),
+            _ => Err(ConfigError::Invalid {
+                name: var,
+                message: format!("{text:?} is not true/false, 1/0 or yes/no"),
+            }),
+        },
     }
 }
 
@@ -1161,6 +1205,43 @@ mod tests {
         assert!(err.to_string().contains("FLASHSALE_PAYMENT_KEY"), "{err}");
         let err = load(&env(&[key, ("FLASHSALE_PAYMENT_STATUS_URL", "https://p/")])).unwrap_err();
         assert!(err.to_string().contains("https"), "{err}");
+    }
+
+    #[test]
+    fn payments_hold_by_default_and_redis_eviction_is_enforced_unless_overridden() {
+        use crate::logic::redis_settings::EvictionCheck;
+        use flashsale_pg_worker::payments::WithoutProvider;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.toml");
+        let load = |e: &Env| Config::load(Some(&path), e, &Overrides::default(), dir.path());
+        std::fs::write(&path, "").expect("w");
+        let c = load(&Env::new()).expect("config");
+        assert_eq!(c.payments.without_provider, WithoutProvider::HoldUnknown);
+        assert_eq!(c.redis_eviction, EvictionCheck::Enforce);
+        let worker = crate::app::serve::worker_config(&c);
+        assert_eq!(worker.closer.without_provider, WithoutProvider::HoldUnknown);
+        std::fs::write(
+            &path,
+            "[payments]\nclose_unpaid_without_provider = true\n[redis]\nallow_eviction = true\n",
+        )
+        .expect("w");
+        let c = load(&Env::new()).expect("config");
+        assert_eq!(c.payments.without_provider, WithoutProvider::CloseUnverified);
+        assert_eq!(c.redis_eviction, EvictionCheck::Overridden);
+        assert_eq!(edge_of(&c).redis_eviction, EvictionCheck::Overridden);
+        let off = env(&[
+            ("FLASHSALE_PAYMENT_CLOSE_UNPAID_WITHOUT_PROVIDER", "0"),
+            ("FLASHSALE_REDIS_ALLOW_EVICTION", "no"),
+        ]);
+        let c = load(&off).expect("the environment wins");
+        assert_eq!(c.payments.without_provider, WithoutProvider::HoldUnknown);
+        assert_eq!(c.redis_eviction, EvictionCheck::Enforce);
+        let err = load(&env(&[("FLASHSALE_REDIS_ALLOW_EVICTION", "maybe")])).unwrap_err();
+        assert!(err.to_string().contains("FLASHSALE_REDIS_ALLOW_EVICTION"), "{err}");
+    }
+
+    fn edge_of(c: &Config) -> crate::shard::EdgeConfig {
+        crate::app::serve::edge_config(c).expect("edge config")
     }
 
     #[test]

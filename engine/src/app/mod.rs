@@ -7,6 +7,7 @@ pub mod config;
 pub mod cpu;
 pub mod demo;
 pub mod demo_cpu;
+pub mod payments_cli;
 pub mod serve;
 pub mod stack;
 pub mod startup;

@@ -123,6 +123,8 @@ pub fn worker_config(
     let key =
         config.payment_key.as_deref().and_then(|k| flashsale_io::key::HmacKey::from_hex(k).ok());
     worker.closer.provider = key.and_then(|key| config.payments.provider(&key));
+    // Without one, due orders are held PAYMENT_UNKNOWN unless the operator opted in.
+    worker.closer.without_provider = config.payments.without_provider;
     worker
 }
 
@@ -134,6 +136,7 @@ pub fn edge_config(config: &crate::app::config::Config) -> anyhow::Result<EdgeCo
     let mut edge = default_edge_config(first);
     edge.redis_seeds = url.seeds;
     edge.min_replica_acks = config.redis_min_replica_acks;
+    edge.redis_eviction = config.redis_eviction;
     if let Some(instance_id) = &config.instance_id {
         edge.instance_id = instance_id.clone();
     }
@@ -186,6 +189,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         redis: default_redis_config(redis),
         redis_seeds: vec![redis],
         min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks::Auto,
+        redis_eviction: crate::logic::redis_settings::EvictionCheck::Enforce,
         pending_grace_ms: 2_000,
         order_deadline_ms: 10_000,
         publish_wait_ms: 500,
@@ -488,6 +492,8 @@ fn edge_shared(
             .collect(),
         started: (0..shard_count).map(|_| AtomicBool::new(false)).collect(),
         ports: std::sync::OnceLock::new(),
+        redis_facts: std::sync::OnceLock::new(),
+        start_error: std::sync::OnceLock::new(),
         modes: state.modes,
         health: state.health,
         reconcile_lease: state.lease,
@@ -564,7 +570,10 @@ fn wait_started(
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if shared.stopping.load(Ordering::Relaxed) {
-            anyhow::bail!("a shard failed to start (see the log)");
+            match shared.start_error.get() {
+                Some(why) => anyhow::bail!("{why}"),
+                None => anyhow::bail!("a shard failed to start (see the log)"),
+            }
         }
         if shared.started.iter().all(|s| s.load(Ordering::Relaxed))
             && health.lag.polled_at_ms() != 0

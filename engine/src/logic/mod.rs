@@ -6,7 +6,8 @@
 //! Two things the edge decides with are pure types of `flashsale_io`, imported from there
 //! directly because the worker uses them too: THE prepared HMAC key (`flashsale_io::key`:
 //! user passes, the control key, the payment key) and the payment provider's signature
-//! scheme (`flashsale_io::payment`).
+//! scheme (`flashsale_io::payment`). `redis_settings` judges the plain record of Redis' own
+//! settings that `flashsale_io::redis::settings` reads (the record, not the reader).
 
 pub mod admission;
 pub mod api;
@@ -23,4 +24,5 @@ pub mod overload;
 pub mod partition;
 pub mod placement;
 pub mod reconcile;
+pub mod redis_settings;
 pub mod submit;

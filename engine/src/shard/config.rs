@@ -50,6 +50,9 @@ pub struct EdgeConfig {
     /// `FLASHSALE_REDIS_MIN_REPLICA_ACKS`: replicas that must hold a new reservation before it
     /// is promised (one `WAIT` per pipeline flush).
     pub min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks,
+    /// A master without `maxmemory-policy noeviction` refuses the start, unless overridden
+    /// (`[redis] allow_eviction`; `logic::redis_settings`).
+    pub redis_eviction: crate::logic::redis_settings::EvictionCheck,
     /// `reserve`'s `pending_grace_ms`: how long a fresh reservation waits before the scanner
     /// may republish it.
     pub pending_grace_ms: u64,

@@ -29,6 +29,11 @@ pub struct EdgeShared {
     pub started: Box<[AtomicBool]>,
     /// Set by shard 0 once bound: the public and admin ports (port 0 resolves here).
     pub ports: std::sync::OnceLock<(u16, u16)>,
+    /// Redis' eviction and persistence settings as shard 0 read them at start (`/readyz`'s
+    /// `redis` detail, the `flashsale_redis_*` gauges).
+    pub redis_facts: std::sync::OnceLock<crate::logic::redis_settings::RedisFacts>,
+    /// Why the start was refused, when a shard knows (`serve::start` returns it).
+    pub start_error: std::sync::OnceLock<String>,
     /// The accepted degradation modes (shards read their own copy, `Shard::modes`).
     pub modes: Arc<crate::durable::modes::ModeState>,
     /// The backlog and PostgreSQL contact, as polled by the durable side.

@@ -1,6 +1,7 @@
 //! The shard's Redis side: the `seckill` function binding over this shard's own router
 //! (standalone or cluster, pipelined connections per master) and the key names of each SKU,
-//! built once. Every Redis call a shard makes goes through [`Store::functions`].
+//! built once. Every Redis call a shard makes goes through [`Store::functions`]. Shard 0 also
+//! checks Redis' own settings at start ([`Store::check_settings`]).
 //!
 //! Not here: what a call means (`logic`), the layout of keys and replies (`io::redis`).
 
@@ -12,6 +13,7 @@ use std::time::Duration;
 use flashsale_io::redis::script::{Functions, SkuKeys};
 
 use super::config::EdgeConfig;
+use super::shared::EdgeShared;
 use crate::logic::placement::SkuKey;
 
 /// Longest a shard tries to reach Redis at start (a dependency, like the log and PostgreSQL,
@@ -75,5 +77,38 @@ impl Store {
             tracing::warn!(shard = id, error = %e, "redis: loading the function library failed");
         }
         Some(Store::new(functions, config.skus_tracked_max))
+    }
+
+    /// Shard 0 at start: every master's eviction and persistence settings, judged by
+    /// `logic::redis_settings` and kept for `/readyz` and the metrics. `false`: the start is
+    /// refused (logged, and the reason left in `start_error` for `serve::start` to return).
+    pub async fn check_settings(&self, shared: &EdgeShared) -> bool {
+        use crate::logic::redis_settings::{judge, RedisFacts, Verdict};
+        let nodes = flashsale_io::redis::settings::read_settings(self.functions.router()).await;
+        let facts = RedisFacts { check: shared.config.redis_eviction, nodes };
+        match judge(&facts) {
+            Verdict::Refuse(why) => {
+                tracing::error!("{why}");
+                let _ = shared.start_error.set(why);
+                false
+            }
+            Verdict::Start { warnings } => {
+                for warning in &warnings {
+                    tracing::warn!("{warning}");
+                }
+                for n in &facts.nodes {
+                    tracing::info!(
+                        node = %n.node,
+                        maxmemory_policy = n.maxmemory_policy.as_deref().unwrap_or("unknown"),
+                        appendonly = n.appendonly.as_deref().unwrap_or("unknown"),
+                        appendfsync = n.appendfsync.as_deref().unwrap_or("unknown"),
+                        save = n.save.as_deref().unwrap_or("unknown"),
+                        "redis settings"
+                    );
+                }
+                let _ = shared.redis_facts.set(facts);
+                true
+            }
+        }
     }
 }

@@ -1,5 +1,5 @@
 //! How a shard starts and what runs on it: the executor's body ([`run`]) joins the mesh,
-//! connects Redis, builds the [`Shard`], spawns every task the shard runs (mesh receivers,
+//! connects Redis (shard 0 checks its settings), builds the [`Shard`], spawns every task the shard runs (mesh receivers,
 //! `redis-sync`'s receiver, stock notices, the heartbeat, the activity refresh, the Redis
 //! failover watch, the republish scanner, the periodic reconcile), binds its listeners (shard
 //! 0 first, publishing the ports; the admin listener on shard 0) and serves until stopped,
@@ -54,6 +54,10 @@ pub async fn run(start: ShardStart) {
         shared.stopping.store(true, Ordering::Relaxed);
         return;
     };
+    if id == 0 && !store.check_settings(&shared).await {
+        shared.stopping.store(true, Ordering::Relaxed);
+        return;
+    }
     let shard = Rc::new(Shard::new(id, &shared, store, senders, id_seed));
     spawn_mesh_receivers(&shard, receivers);
     if let Some(rx) = sync_rx {

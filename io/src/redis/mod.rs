@@ -6,7 +6,8 @@
 //! [`url`] parses `FLASHSALE_REDIS_URL`; [`script`] binds the `seckill` function library with
 //! one enum per function mirroring its closed set of replies; [`reads`] holds every other
 //! command the engine needs (typed reads of meta, stock, requests, the active-SKU set,
-//! reconcile's reads); [`layout`] the plain data those return.
+//! reconcile's reads); [`layout`] the plain data those return; [`settings`] the server's own
+//! eviction and persistence settings, read from every master at start.
 //! No file outside this folder spells a Redis command or a key.
 pub mod cluster;
 pub mod connection;
@@ -15,6 +16,7 @@ pub mod layout;
 pub mod reads;
 pub mod router;
 pub mod script;
+pub mod settings;
 pub mod slot;
 pub mod url;
 

@@ -34,9 +34,14 @@ pub fn startupz(shared: &EdgeShared) -> (Status, String) {
     health(started, "started")
 }
 
-/// `GET /readyz`
+/// `GET /readyz`, with Redis' settings as read at start in `redis` (each master's
+/// `maxmemory_policy`, `appendonly`, `appendfsync`, `save`, and whether the eviction check is
+/// overridden): facts for the operator, never a reason to be unready.
 pub fn readyz(shared: &EdgeShared) -> (Status, String) {
-    health(shared.is_ready(), "ready")
+    let ready = shared.is_ready();
+    let status = if ready { Status::Ok } else { Status::ServiceUnavailable };
+    let redis = shared.redis_facts.get().map(|f| f.readyz_detail());
+    (status, json!({ "ready": ready, "redis": redis }).to_string())
 }
 
 /// `GET /metrics`: every shard's counters, the mode and lease gauges, the durable side's.
@@ -44,6 +49,9 @@ pub fn metrics(shared: &EdgeShared) -> (Status, String) {
     let mut text = String::with_capacity(16 * 1024);
     shared.metrics.render(&mut text);
     render_mode(shared, &mut text);
+    if let Some(facts) = shared.redis_facts.get() {
+        facts.render_metrics(&mut text);
+    }
     if let Some(extra) = &shared.render_extra {
         text.push_str(&extra());
     }

@@ -6,6 +6,7 @@
 //!
 //! The handlers, one concern each: [`health`] (health, metrics, drain), [`activity`]
 //! (create, inspect), [`lifecycle`] (an activity's later changes), [`modes`], [`refunds`],
+//! [`payments`] (orders held PAYMENT_UNKNOWN),
 //! [`dlq`] (dead letters), [`stuck`] (stuck reservations); what they use is [`AdminDeps`].
 
 mod activity;
@@ -14,6 +15,7 @@ mod dlq;
 mod health;
 mod lifecycle;
 mod modes;
+mod payments;
 mod refunds;
 mod stuck;
 
@@ -87,6 +89,7 @@ async fn route(deps: &AdminDeps<'_>, request: &Request<'_>, body: &[u8]) -> (Sta
         (Method::Post, "/admin/v1/mode") => modes::post_mode(shared, body).await,
         (Method::Get, "/admin/v1/mode") => modes::get_mode(shared),
         (Method::Get, "/admin/v1/refunds") => refunds::refunds(shared).await,
+        (Method::Get, "/admin/v1/payments/unknown") => payments::unknown(shared).await,
         (Method::Get, "/admin/v1/dlq") => dlq::list(shared, request.query).await,
         (Method::Post, path) if path.starts_with("/admin/v1/dlq/") => {
             let sequence = &path["/admin/v1/dlq/".len()..];
