@@ -101,11 +101,7 @@ end
 --       5 resv:<reservation_id>,
 --       6 resv:pending, 7 soldout                      (all `seckill:{A:S}:`-prefixed)
 -- ARGV: 1 request_id, 2 user_id, 3 payload_hash, 4 reservation_id, 5 message_id, 6 now_ms,
---       7 pending_grace_ms, 8 checked_ttl_ms (optional)
---   checked_ttl_ms: "" or absent -> meta is read and checked here (step 2 below); a number ->
---   the caller's own snapshot of meta (re-read every second) says ACTIVE with now_ms inside
---   the window, and this is meta.reservation_ttl_ms: meta is not read (one command fewer on
---   the hot path; an operator's end or terminate then takes effect within that refresh).
+--       7 pending_grace_ms
 -- Reply: always the flat array
 --   [code, reservation_id, message_id, state, order_id, reason_code, stock_after, expires_at]
 --   with "" for absent strings; stock_after is an integer: stock left after this call for
@@ -127,15 +123,10 @@ end
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
 local function reserve(keys, args)
-  if #keys ~= 7 or (#args ~= 7 and #args ~= 8) then return bad('arity') end
+  if #keys ~= 7 or #args ~= 7 then return bad('arity') end
   local request_id, user_id, payload_hash = args[1], args[2], args[3]
   local reservation_id, message_id = args[4], args[5]
   local now_ms, grace_ms = uint(args[6]), uint(args[7])
-  local checked_ttl_ms = nil
-  if args[8] and args[8] ~= '' then
-    checked_ttl_ms = uint(args[8])
-    if not checked_ttl_ms or checked_ttl_ms < 1 then return bad('checked_ttl_ms') end
-  end
   if not id_ok(request_id) then return bad('request_id') end
   if not id_num(user_id) then return bad('user_id') end
   if not id_ok(payload_hash) then return bad('payload_hash') end
@@ -162,24 +153,18 @@ local function reserve(keys, args)
     return { 'IDEMPOTENCY_CONFLICT', '', '', '', '', '', -1, -1 }
   end
 
-  -- 2. Activity status and window (unless the caller checked them: checked_ttl_ms).
-  local ttl_ms = checked_ttl_ms
-  if not ttl_ms then
-    local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms',
-      'reservation_ttl_ms')
-    if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1, -1 } end
-    if meta[1] ~= 'ACTIVE' then
-      return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1, -1 }
-    end
-    local start_ms, end_ms = uint(meta[2]), uint(meta[3])
-    ttl_ms = uint(meta[4])
-    -- Corrupt meta is a preheat bug, not a buyer's problem: refuse loudly, write nothing.
-    if not (start_ms and end_ms and ttl_ms) then return bad('meta') end
-    if now_ms < start_ms then
-      return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1, -1 }
-    end
-    if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1, -1 } end
+  -- 2. Activity status and window. Read on every call, never from a copy the caller holds:
+  -- an operator's end or terminate stops new reservations at once, on every instance.
+  local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms', 'reservation_ttl_ms')
+  if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1, -1 } end
+  if meta[1] ~= 'ACTIVE' then return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1, -1 } end
+  local start_ms, end_ms, ttl_ms = uint(meta[2]), uint(meta[3]), uint(meta[4])
+  -- Corrupt meta is a preheat bug, not a buyer's problem: refuse loudly, write nothing.
+  if not (start_ms and end_ms and ttl_ms) then return bad('meta') end
+  if now_ms < start_ms then
+    return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1, -1 }
   end
+  if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1, -1 } end
 
   -- 3. One reservation per user, and 4. stock. Stock is read first so that a unit left costs
   -- one command for both checks: the user marker is claimed with `SET NX GET`, which answers

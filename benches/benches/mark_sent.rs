@@ -138,7 +138,6 @@ async fn reserve(functions: &Functions, keys: &SkuKeys, n: u64) {
     let (request_id, reservation_id, message_id) =
         (format!("req_{n}"), format!("resv_{n}"), format!("msg_{n}"));
     let args = ReserveArgs {
-        checked_ttl_ms: None,
         request_id: &request_id,
         user_id: n,
         payload_hash: "h",

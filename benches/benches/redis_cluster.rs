@@ -112,7 +112,6 @@ async fn reserve_one(f: &Functions, keys: &SkuKeys) {
     let user = NEXT_USER.fetch_add(1, Ordering::Relaxed);
     let (request, resv, msg) = (format!("r{user}"), format!("v{user}"), format!("m{user}"));
     let args = ReserveArgs {
-        checked_ttl_ms: None,
         request_id: &request,
         user_id: user,
         payload_hash: "h",

@@ -138,7 +138,6 @@ async fn reserve_as(
     now_ms: u64,
 ) -> ReserveReply {
     let args = ReserveArgs {
-        checked_ttl_ms: None,
         request_id: &ids.request_id,
         user_id,
         payload_hash,
@@ -399,63 +398,6 @@ fn reserve_activity_invalid_branches_write_nothing() {
         let last_ms = reserve_as(&f, &ids(2), 30002, "h", T0 + WINDOW_MS - 1).await;
         assert_eq!(last_ms, created(8, T0 + WINDOW_MS - 1));
     });
-}
-
-/// `checked_ttl_ms`: the engine's snapshot of `meta` says the activity is open, so `reserve`
-/// does not read `meta` (the TTL comes from the caller); every other check is the same.
-#[test]
-fn reserve_with_a_checked_activity_does_not_read_meta() {
-    with_redis(|f| async move {
-        preheat(&f, ActivityStatus::Active, 1, 2).await;
-        let reads_before = command_calls(&f, "hmget").await;
-        let reply = reserve_checked(&f, 1, Some(77)).await;
-        assert_eq!(reply, ReserveReply::Created { stock_after: 1, expires_at_ms: T0 + 10 + 77 });
-        // One HMGET (the request record), none of meta.
-        assert_eq!(command_calls(&f, "hmget").await - reads_before, 1);
-        assert_eq!(hgetall(&f, &key("resv:resv_1")).await["expires_at"], (T0 + 87).to_string());
-        // The user, stock and idempotency checks are unchanged.
-        assert_eq!(reserve_checked(&f, 1, Some(77)).await, reserve_n(&f, 1).await, "a replay");
-        let last = ReserveReply::Created { stock_after: 0, expires_at_ms: T0 + 87 };
-        assert_eq!(reserve_checked(&f, 2, Some(77)).await, last);
-        assert_eq!(reserve_checked(&f, 3, Some(77)).await, ReserveReply::SoldOut);
-        // Not a TTL: refused before any write.
-        let (meta, stock) = (key("meta"), key("stock"));
-        let (user, req, resv) = (key("user:30004"), key("req:30004:req_4"), key("resv:resv_4"));
-        let (pending, soldout) = (key("resv:pending"), key("soldout"));
-        let keys7 = [&meta, &stock, &user, &req, &resv, &pending, &soldout].map(String::as_str);
-        let now = (T0 + 10).to_string();
-        for bad_ttl in ["0", "x", "-1"] {
-            let args = ["req_4", "30004", "h", "resv_4", "msg_4", &now, "2000", bad_ttl];
-            let e = fcall_raw(&f, "reserve", &keys7, &args).await;
-            assert_eq!(e, "ERR seckill: bad checked_ttl_ms", "{bad_ttl}");
-        }
-        assert!(!exists(&f, &req).await && !exists(&f, &user).await);
-    });
-}
-
-/// Request n by user 30000+n at T0 + 10 ms, with the caller's word that the activity is open
-/// (`checked_ttl_ms`).
-async fn reserve_checked(f: &Functions, n: u64, checked_ttl_ms: Option<u64>) -> ReserveReply {
-    let ids = ids(n);
-    let args = ReserveArgs {
-        checked_ttl_ms,
-        request_id: &ids.request_id,
-        user_id: 30000 + n,
-        payload_hash: "h",
-        reservation_id: &ids.reservation_id,
-        message_id: &ids.message_id,
-        now_ms: T0 + 10,
-        pending_grace_ms: GRACE_MS,
-    };
-    f.reserve(&keys(), &args).await.expect("reserve")
-}
-
-/// How many times the server ran `command` (`INFO commandstats`).
-async fn command_calls(f: &Functions, command: &str) -> u64 {
-    let info = cmd(f, &["INFO", "commandstats"]).await;
-    let text = String::from_utf8(info.as_bytes().unwrap_or_default().to_vec()).unwrap();
-    let prefix = format!("cmdstat_{command}:calls=");
-    text.lines().find_map(|l| l.strip_prefix(&prefix)?.split(',').next()?.parse().ok()).unwrap_or(0)
 }
 
 #[test]

@@ -127,7 +127,6 @@ impl Intent {
 
     fn args(&self) -> ReserveArgs<'_> {
         ReserveArgs {
-            checked_ttl_ms: None,
             request_id: &self.request_id,
             user_id: self.user_id,
             payload_hash: &self.payload_hash,

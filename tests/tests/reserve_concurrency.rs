@@ -59,7 +59,6 @@ async fn reserve_until_answered(f: &Functions, keys: &SkuKeys, i: u64) -> (Reser
         (request_id(i), reservation_id(i), message_id(i));
     let payload_hash = format!("sha256:{i}");
     let args = ReserveArgs {
-        checked_ttl_ms: None,
         request_id: &request_id,
         user_id: user_id(i),
         payload_hash: &payload_hash,

@@ -48,21 +48,9 @@ pub struct ActivitySnapshot {
     pub start_ms: u64,
     pub end_ms: u64,
     pub version: u64,
-    pub reservation_ttl_ms: u64,
 }
 
 impl ActivitySnapshot {
-    /// The reservation TTL when the snapshot says the activity is open at `now_ms` (ACTIVE,
-    /// inside its window): `reserve` may then skip its own read of `meta`. A snapshot is at
-    /// most one refresh old, so an operator's end or terminate reaches new reservations of
-    /// this instance within that refresh (the window's own end is exact: it is compared
-    /// with the same clock `reserve` is given).
-    pub fn open_ttl_ms(&self, now_ms: u64) -> Option<u64> {
-        let open =
-            self.status == ActivityStatus::Active && (self.start_ms..self.end_ms).contains(&now_ms);
-        open.then_some(self.reservation_ttl_ms)
-    }
-
     /// True only when the activity is certainly over for good: ended or terminated, or past
     /// its end. "Not started yet" is left to Redis, whose `meta` may be newer than ours.
     fn certainly_closed(&self, now_ms: u64) -> bool {
@@ -234,8 +222,6 @@ pub struct SkuPartition {
     /// SKU's request records is merged.
     replays_complete: bool,
     replays_loading: bool,
-    /// A read of `meta` for a missing snapshot is under way (`OwnerState::activity_read_due`).
-    activity_reading: bool,
     /// Test-only: forget the replay lookup, to prove `assert_not_accepted_twice` fires.
     #[cfg(test)]
     skip_replay_lookup: bool,
@@ -248,7 +234,6 @@ impl SkuPartition {
             key,
             limits,
             activity: None,
-            activity_reading: false,
             sold_out: false,
             revision: 0,
             accepted: HashMap::new(),
@@ -289,20 +274,6 @@ impl SkuPartition {
 
     pub fn activity(&self) -> Option<ActivitySnapshot> {
         self.activity
-    }
-
-    /// True once while there is no snapshot and no read of one under way.
-    pub fn activity_read_due(&mut self) -> bool {
-        let due = self.activity.is_none() && !self.activity_reading;
-        self.activity_reading |= due;
-        due
-    }
-
-    pub fn on_activity_read(&mut self, snapshot: Option<ActivitySnapshot>) {
-        self.activity_reading = false;
-        if let Some(snapshot) = snapshot {
-            self.set_activity(snapshot);
-        }
     }
 
     /// Decides a submit. Order matters: a replay is answered even when sold out or
@@ -876,7 +847,6 @@ mod tests {
             start_ms: 0,
             end_ms: 1000,
             version: 2,
-            reservation_ttl_ms: 300,
         });
         assert!(matches!(p.plan_submit(uid("a"), "a", "h", 999), SubmitPlan::CallRedis(_)));
         assert_eq!(p.plan_submit(uid("b"), "b", "h", 1000), SubmitPlan::NotActive);
@@ -886,45 +856,8 @@ mod tests {
             start_ms: 0,
             end_ms: 1000,
             version: 1,
-            reservation_ttl_ms: 300,
         });
         assert_eq!(p.activity().map(|a| a.status), Some(ActivityStatus::Active));
-    }
-
-    #[test]
-    fn a_missing_snapshot_is_read_once_at_a_time_until_there_is_one() {
-        let mut p = SkuPartition::new(key(), limits(), 0);
-        assert!(p.activity_read_due());
-        assert!(!p.activity_read_due(), "one read at a time");
-        p.on_activity_read(None);
-        assert!(p.activity_read_due(), "a failed read is tried again");
-        p.on_activity_read(Some(ActivitySnapshot {
-            status: ActivityStatus::Active,
-            start_ms: 0,
-            end_ms: 1000,
-            version: 1,
-            reservation_ttl_ms: 300,
-        }));
-        assert!(!p.activity_read_due(), "the periodic refresh keeps it from then on");
-    }
-
-    #[test]
-    fn only_an_open_snapshot_spares_reserve_its_meta_read() {
-        let snapshot = |status| ActivitySnapshot {
-            status,
-            start_ms: 100,
-            end_ms: 1000,
-            version: 1,
-            reservation_ttl_ms: 300,
-        };
-        let active = snapshot(ActivityStatus::Active);
-        assert_eq!(active.open_ttl_ms(100), Some(300));
-        assert_eq!(active.open_ttl_ms(999), Some(300));
-        // Before the start and from the end on, reserve judges with meta itself.
-        assert_eq!((active.open_ttl_ms(99), active.open_ttl_ms(1000)), (None, None));
-        for status in [ActivityStatus::Pending, ActivityStatus::Ended, ActivityStatus::Terminated] {
-            assert_eq!(snapshot(status).open_ttl_ms(500), None, "{status:?}");
-        }
     }
 
     #[derive(Debug, Clone)]

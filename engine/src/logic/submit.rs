@@ -211,9 +211,6 @@ pub struct Call {
     pub ticket: Ticket,
     pub reservation_id: BusinessId,
     pub message_id: BusinessId,
-    /// The activity snapshot's word that the activity is open now, with its reservation TTL
-    /// (`ReserveArgs::checked_ttl_ms`).
-    pub checked_ttl_ms: Option<u64>,
     /// The place on the expensive path; [`Finish`] hands it back for
     /// [`OwnerState::path_done`] once the answer (after the publish) is known.
     pub path: PathPermit,
@@ -354,7 +351,6 @@ impl OwnerState {
             Err((answer, admission_reject)) => return Begin::Answer { answer, admission_reject },
         };
         let key = partition.key();
-        let checked_ttl_ms = partition.activity().and_then(|a| a.open_ttl_ms(now_ms));
         // The Redis circuit is consulted once: its answer is both admission's input and, when
         // everything admits, the call itself.
         let circuit = self.circuit(node).allow(now_ms);
@@ -377,7 +373,6 @@ impl OwnerState {
                     ticket: Ticket { key, tracked, permit, node, call },
                     reservation_id,
                     message_id,
-                    checked_ttl_ms,
                     path,
                 })
             }
@@ -425,7 +420,7 @@ impl OwnerState {
         result: ReserveResult,
         now_ms: u64,
     ) -> Finish {
-        let Call { ticket, reservation_id, message_id, path, .. } = call;
+        let Call { ticket, reservation_id, message_id, path } = call;
         let Ticket { key, tracked, permit, node, call: circuit_call } = ticket;
         assert!(self.in_flight > 0, "a submission finished that never began");
         self.in_flight -= 1;
@@ -505,20 +500,6 @@ impl OwnerState {
     pub fn set_activity(&mut self, key: SkuKey, snapshot: ActivitySnapshot) {
         if let Some(partition) = self.own_partition(key) {
             partition.set_activity(snapshot);
-        }
-    }
-
-    /// True once for a SKU without an activity snapshot and no read of one under way (the
-    /// read is then under way until [`OwnerState::on_activity_read`]).
-    pub fn activity_read_due(&mut self, key: SkuKey) -> bool {
-        self.own_partition(key).is_some_and(SkuPartition::activity_read_due)
-    }
-
-    /// The read that [`OwnerState::activity_read_due`] asked for (`None`: no meta, or it
-    /// failed; the periodic refresh tries again).
-    pub fn on_activity_read(&mut self, key: SkuKey, snapshot: Option<ActivitySnapshot>) {
-        if let Some(partition) = self.own_partition(key) {
-            partition.on_activity_read(snapshot);
         }
     }
 

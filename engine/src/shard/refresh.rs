@@ -13,18 +13,14 @@
 //!
 //! A failed read changes nothing: local state only saves work, Redis stays the authority.
 
-use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::logic::clock::now_ms;
 use crate::logic::partition::ActivitySnapshot;
-use crate::logic::placement::SkuKey;
-use crate::logic::submit::OwnerState;
 
 use super::state::Shard;
-use super::store::Store;
 
 /// How often the owner re-reads each tracked SKU's `meta`.
 const ACTIVITY_REFRESH_MS: u64 = 1_000;
@@ -54,35 +50,17 @@ pub fn spawn(shard: &Rc<Shard>) {
 async fn refresh_activities(shard: &Shard) {
     let tracked = shard.owner.borrow().tracked_skus();
     for key in tracked {
+        let keys = shard.store.sku_keys(key);
         // No meta (yet) or a failed read: Redis answers per request meanwhile.
-        let Some(snapshot) = read_snapshot(&shard.store, key).await else { continue };
+        let Ok(Some(meta)) = shard.store.functions.read_meta(&keys).await else { continue };
+        let snapshot = ActivitySnapshot {
+            status: meta.status,
+            start_ms: meta.start_ms,
+            end_ms: meta.end_ms,
+            version: meta.version,
+        };
         shard.owner.borrow_mut().set_activity(key, snapshot);
     }
-}
-
-/// A SKU the owner has no activity snapshot of gets one read at once rather than at the next
-/// refresh: until it has one, every reservation reads `meta` itself (`checked_ttl_ms`).
-pub fn ensure_activity(owner: &Rc<RefCell<OwnerState>>, store: &Rc<Store>, key: SkuKey) {
-    if !owner.borrow_mut().activity_read_due(key) {
-        return;
-    }
-    let (owner, store) = (Rc::clone(owner), Rc::clone(store));
-    glommio::spawn_local(async move {
-        let snapshot = read_snapshot(&store, key).await;
-        owner.borrow_mut().on_activity_read(key, snapshot);
-    })
-    .detach();
-}
-
-async fn read_snapshot(store: &Store, key: SkuKey) -> Option<ActivitySnapshot> {
-    let meta = store.functions.read_meta(&store.sku_keys(key)).await.ok()??;
-    Some(ActivitySnapshot {
-        status: meta.status,
-        start_ms: meta.start_ms,
-        end_ms: meta.end_ms,
-        version: meta.version,
-        reservation_ttl_ms: meta.reservation_ttl_ms,
-    })
 }
 
 /// Re-reads the stock of each SKU a notice names, when this owner's flag says sold out.

@@ -22,7 +22,6 @@ use futures::channel::oneshot;
 use super::limiters::Limiters;
 use super::mesh::{ForwardedSubmit, Mesh};
 use super::publish::{publish_order, MsgIdentity, Origin, PublishPath};
-use super::refresh::ensure_activity;
 use super::replays::{ensure_loaded, first_answer};
 use super::reply::write_state;
 use super::request::RequestCtx;
@@ -268,12 +267,8 @@ async fn expensive_path(
         message_id: &call.message_id,
         now_ms: now,
         pending_grace_ms: deps.shared.config.pending_grace_ms,
-        checked_ttl_ms: call.checked_ttl_ms,
     };
     let started = Instant::now();
-    if call.checked_ttl_ms.is_none() {
-        ensure_activity(deps.owner, deps.store, s.key);
-    }
     let reply = deps.store.functions.reserve(keys, &args).await;
     deps.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
     let finish = deps.owner.borrow_mut().finish(call, s, reserve_result(reply), now);

@@ -200,8 +200,6 @@ impl Functions {
         let user_id = U64Text::new(args.user_id);
         let now_ms = U64Text::new(args.now_ms);
         let grace_ms = U64Text::new(args.pending_grace_ms);
-        let checked_ttl_ms = args.checked_ttl_ms.map(U64Text::new);
-        let checked_ttl_ms = checked_ttl_ms.as_ref().map_or(&b""[..], U64Text::as_bytes);
         let (reply, fence) = self
             .fcall(
                 keys.slot(),
@@ -224,7 +222,6 @@ impl Functions {
                     args.message_id.as_bytes(),
                     now_ms.as_bytes(),
                     grace_ms.as_bytes(),
-                    checked_ttl_ms,
                 ],
             )
             .await?;

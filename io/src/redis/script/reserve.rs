@@ -27,11 +27,6 @@ pub struct ReserveArgs<'a> {
     pub now_ms: u64,
     /// How long the first publish may take before the scanner republishes.
     pub pending_grace_ms: u64,
-    /// `Some(ttl)`: the caller's activity snapshot (the SKU's `meta`, re-read every second)
-    /// says the activity is ACTIVE and `now_ms` inside its window, and `ttl` is its
-    /// `reservation_ttl_ms`: `reserve` then does not read `meta` (one command fewer per
-    /// call). `None`: `reserve` reads and checks `meta` itself.
-    pub checked_ttl_ms: Option<u64>,
 }
 
 /// The state a request record (`req` hash) is in.
@@ -224,7 +219,6 @@ mod tests {
     }
 
     const SENT: ReserveArgs<'static> = ReserveArgs {
-        checked_ttl_ms: None,
         request_id: "req_1",
         user_id: 30001,
         payload_hash: "sha256:ab",
