@@ -190,7 +190,7 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         redis_seeds: vec![redis],
         min_replica_acks: flashsale_io::redis::fence::MinReplicaAcks::Auto,
         redis_eviction: crate::logic::redis_settings::EvictionCheck::Enforce,
-        pending_grace_ms: 2_000,
+        pending_grace_ms: 3_000,
         order_deadline_ms: 10_000,
         publish_wait_ms: 500,
         query_fallback_wait_ms: 500,

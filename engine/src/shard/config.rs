@@ -54,7 +54,9 @@ pub struct EdgeConfig {
     /// (`[redis] allow_eviction`; `logic::redis_settings`).
     pub redis_eviction: crate::logic::redis_settings::EvictionCheck,
     /// `reserve`'s `pending_grace_ms`: how long a fresh reservation waits before the scanner
-    /// may republish it.
+    /// may republish it (3 s by default: a message the log acknowledged gets its mark only if
+    /// its outcome has not reached Redis three quarters of this after the reservation, so on
+    /// a busy box most units need none; an unacknowledged one is republished after it).
     pub pending_grace_ms: u64,
     /// `mark_sent`'s `order_deadline_ms`: when a confirmed message's outcome is overdue.
     pub order_deadline_ms: u64,
