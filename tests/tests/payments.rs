@@ -15,17 +15,16 @@ mod pipeline_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flashsale_io::jetstream::{EVENTS_STREAM, ORDER_WRITER_CONSUMER, REDIS_SYNC_CONSUMER};
+use flashsale_io::jetstream::{EVENTS_STREAM, REDIS_SYNC_CONSUMER};
 use flashsale_io::key::HmacKey;
 use flashsale_io::payment::Signed;
 use flashsale_io::wire::{decode_event, EventType, ReservationEvent};
 use flashsale_pg_worker::payments::{
     apply_callback, cancel_order, close_due_orders, find_order, mark_payment_unknown,
-    CallbackOutcome, PaymentCallback, ReleaseOutcome,
+    CallbackOutcome, ReleaseOutcome,
 };
-use flashsale_pg_worker::{write_batch, WriteOutcome};
 use flashsale_tests::{redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient};
-use pipeline_support::{connect, count, db, message, now_ms, seed_sku, Db};
+use pipeline_support::{cb, connect, count, db, now_ms, orders, seed_sku};
 use tokio_postgres::Client;
 
 const PAY_KEY_HEX: &str = "5f3c1a2b4d6e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
@@ -35,37 +34,6 @@ const PAY_TIMEOUT_MS: u64 = 900_000;
 // ---------------------------------------------------------------------------------------------
 // PostgreSQL-level helpers
 // ---------------------------------------------------------------------------------------------
-
-/// Orders for users `users` through the real order-create transaction; their order ids.
-async fn orders(
-    db: &Db,
-    activity: i64,
-    sku: i64,
-    users: std::ops::Range<u64>,
-    tag: &str,
-) -> Vec<String> {
-    let messages: Vec<_> = users.map(|u| message(activity, sku, u, &format!("{tag}{u}"))).collect();
-    let refs: Vec<_> = messages.iter().collect();
-    let client = db.pool.get().await.expect("pooled connection");
-    let outcomes =
-        write_batch(&client, ORDER_WRITER_CONSUMER, &refs, now_ms()).await.expect("write batch");
-    outcomes
-        .into_iter()
-        .map(|o| match o {
-            WriteOutcome::Created { order_id, .. } => order_id,
-            other => panic!("expected an order, got {other:?}"),
-        })
-        .collect()
-}
-
-fn cb(payment_id: &str, order_id: &str, status: &str, amount_cents: i64) -> PaymentCallback {
-    PaymentCallback {
-        payment_id: payment_id.into(),
-        order_id: order_id.into(),
-        status: status.into(),
-        amount_cents,
-    }
-}
 
 async fn order_status(client: &Client, order_id: &str) -> String {
     client

@@ -26,7 +26,7 @@ use flashsale_pg_worker::payments::{
 use flashsale_pg_worker::provider::{Provider, ProviderConfig};
 use flashsale_pg_worker::{write_batch, WriteOutcome};
 use flashsale_tests::{small_worker, state, wait_for_ms, Engine, HttpClient};
-use pipeline_support::{connect, count, db, message, now_ms, seed_sku, Db};
+use pipeline_support::{connect, count, db, message, now_ms, seed_sku, status_and_token, Db};
 use tokio_postgres::Client;
 
 const PAY_KEY_HEX: &str = "5f3c1a2b4d6e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
@@ -209,18 +209,6 @@ async fn order(db: &Db, activity: i64, sku: i64, user: u64) -> String {
         WriteOutcome::Created { order_id, .. } => order_id,
         other => panic!("expected an order, got {other:?}"),
     }
-}
-
-async fn status_and_token(c: &Client, order_id: &str) -> (String, String) {
-    let row = c
-        .query_one(
-            "SELECT o.status, t.status FROM orders o JOIN inventory_token t \
-             ON t.token_id = o.inventory_token_id WHERE o.order_id = $1",
-            &[&order_id],
-        )
-        .await
-        .expect("order");
-    (row.get(0), row.get(1))
 }
 
 async fn asks(c: &Client, order_id: &str) -> i64 {

@@ -19,62 +19,21 @@ use flashsale_io::jetstream::ORDER_WRITER_CONSUMER;
 use flashsale_io::key::HmacKey;
 use flashsale_pg_worker::payment_unknown::{hold_due_orders, list_unknown};
 use flashsale_pg_worker::payments::{
-    apply_callback, close_due_orders, CallbackOutcome, PaymentCallback, WithoutProvider,
+    apply_callback, close_due_orders, CallbackOutcome, WithoutProvider,
 };
 use flashsale_pg_worker::{write_batch, WriteOutcome};
 use flashsale_tests::{
     metric, prometheus_render, redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient,
 };
-use pipeline_support::{connect, count, db, message, now_ms, seed_sku, Db};
+use pipeline_support::{
+    cb, connect, count, db, message, now_ms, orders, seed_sku, status_and_token, Db,
+};
 use serde_json::Value;
 use tokio_postgres::Client;
 
 /// The pay timeout `pipeline_support::seed_activity` gives every activity.
 const PAY_TIMEOUT_MS: u64 = 900_000;
 const PAY_KEY_HEX: &str = "5f3c1a2b4d6e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
-
-async fn orders(
-    db: &Db,
-    activity: i64,
-    sku: i64,
-    users: std::ops::Range<u64>,
-    tag: &str,
-) -> Vec<String> {
-    let messages: Vec<_> = users.map(|u| message(activity, sku, u, &format!("{tag}{u}"))).collect();
-    let refs: Vec<_> = messages.iter().collect();
-    let client = db.pool.get().await.expect("pooled connection");
-    let outcomes =
-        write_batch(&client, ORDER_WRITER_CONSUMER, &refs, now_ms()).await.expect("write batch");
-    outcomes
-        .into_iter()
-        .map(|o| match o {
-            WriteOutcome::Created { order_id, .. } => order_id,
-            other => panic!("expected an order, got {other:?}"),
-        })
-        .collect()
-}
-
-fn cb(payment_id: &str, order_id: &str, status: &str, amount_cents: i64) -> PaymentCallback {
-    PaymentCallback {
-        payment_id: payment_id.into(),
-        order_id: order_id.into(),
-        status: status.into(),
-        amount_cents,
-    }
-}
-
-/// (order status, its token's status).
-async fn order_and_token(c: &Client, order_id: &str) -> (String, String) {
-    let row = c
-        .query_one(
-            "SELECT o.status, t.status FROM orders o JOIN inventory_token t \
-             ON t.token_id = o.inventory_token_id WHERE o.order_id = $1",
-            &[&order_id],
-        )
-        .await
-        .expect("order");
-    (row.get(0), row.get(1))
-}
 
 async fn assert_invariants(c: &Client, activity: i64, sku: i64) {
     let report = flashsale_pg_worker::check_invariants(c, activity, sku).await.expect("audit");
@@ -106,12 +65,12 @@ async fn without_a_provider_due_orders_are_held_with_their_unit() {
     assert_eq!(sorted(round.held.clone()), sorted(vec![silent.clone(), late_payer.clone()]));
     assert_eq!(sorted(round.closed.clone()), sorted(vec![failed.clone(), closed.clone()]));
     for id in [silent, late_payer] {
-        assert_eq!(order_and_token(c, id).await, ("PAYMENT_UNKNOWN".into(), "CLAIMED".into()));
+        assert_eq!(status_and_token(c, id).await, ("PAYMENT_UNKNOWN".into(), "CLAIMED".into()));
     }
     for id in [failed, closed] {
-        assert_eq!(order_and_token(c, id).await, ("CLOSED".into(), "AVAILABLE".into()));
+        assert_eq!(status_and_token(c, id).await, ("CLOSED".into(), "AVAILABLE".into()));
     }
-    assert_eq!(order_and_token(c, paid).await, ("PAID".into(), "SOLD".into()));
+    assert_eq!(status_and_token(c, paid).await, ("PAID".into(), "SOLD".into()));
     let again = hold_due_orders(c, 100, late).await.expect("round");
     assert_eq!((again.candidates, again.held.len(), again.closed.len()), (0, 0, 0), "{again:?}");
     let listed = list_unknown(c, 100).await.expect("list");
@@ -123,13 +82,13 @@ async fn without_a_provider_due_orders_are_held_with_their_unit() {
     let paid_late =
         apply_callback(c, &cb("p_late", late_payer, "PAID", 10), late).await.expect("cb");
     assert_eq!(paid_late.outcome, CallbackOutcome::Paid);
-    assert_eq!(order_and_token(c, late_payer).await, ("PAID".into(), "SOLD".into()));
+    assert_eq!(status_and_token(c, late_payer).await, ("PAID".into(), "SOLD".into()));
     // The provider's word that the other is unpaid: back to PENDING_PAYMENT, then closed.
     let unpaid = apply_callback(c, &cb("p_no", silent, "CLOSED", 10), late).await.expect("cb");
     assert_eq!(unpaid.order_status.as_deref(), Some("PENDING_PAYMENT"));
     let round = hold_due_orders(c, 100, late).await.expect("round");
     assert_eq!(round.closed, vec![silent.clone()]);
-    assert_eq!(order_and_token(c, silent).await, ("CLOSED".into(), "AVAILABLE".into()));
+    assert_eq!(status_and_token(c, silent).await, ("CLOSED".into(), "AVAILABLE".into()));
     assert!(list_unknown(c, 100).await.expect("list").is_empty());
     assert_invariants(c, 1, 2).await;
 }
@@ -145,9 +104,9 @@ async fn opting_in_to_close_unverified_resells_a_unit_that_was_paid() {
     let late = now_ms() + PAY_TIMEOUT_MS + 60_000;
     let round = close_due_orders(c, 100, late).await.expect("opt-in round");
     assert_eq!(round.closed, vec![first.clone()]);
-    assert_eq!(order_and_token(c, &first).await, ("CLOSED".into(), "AVAILABLE".into()));
+    assert_eq!(status_and_token(c, &first).await, ("CLOSED".into(), "AVAILABLE".into()));
     let second = orders(&db, 3, 4, 1..2, "second").await.remove(0);
-    assert_eq!(order_and_token(c, &second).await.1, "CLAIMED", "the unit is sold again");
+    assert_eq!(status_and_token(c, &second).await.1, "CLAIMED", "the unit is sold again");
     let money = apply_callback(c, &cb("p_first", &first, "PAID", 10), late).await.expect("cb");
     assert_eq!(money.outcome, CallbackOutcome::RefundNeeded, "the first buyer paid for nothing");
     assert_invariants(c, 3, 4).await;
@@ -299,14 +258,14 @@ async fn a_statement_is_applied_through_the_state_machine_and_replays_to_nothing
     ];
     assert_eq!(kinds(&report), owned(&applied), "{report:#}");
     assert_eq!((report["changed"].as_u64(), report["open"].as_u64()), (Some(4), Some(1)));
-    assert_eq!(order_and_token(c, unknown).await, ("PAID".into(), "SOLD".into()));
+    assert_eq!(status_and_token(c, unknown).await, ("PAID".into(), "SOLD".into()));
     assert_eq!(
-        order_and_token(c, closed).await,
+        status_and_token(c, closed).await,
         ("CLOSED".into(), "AVAILABLE".into()),
         "never resurrected"
     );
-    assert_eq!(order_and_token(c, mismatch).await, ("PAYMENT_UNKNOWN".into(), "CLAIMED".into()));
-    assert_eq!(order_and_token(c, unpaid).await.0, "PENDING_PAYMENT", "authoritatively unpaid");
+    assert_eq!(status_and_token(c, mismatch).await, ("PAYMENT_UNKNOWN".into(), "CLAIMED".into()));
+    assert_eq!(status_and_token(c, unpaid).await.0, "PENDING_PAYMENT", "authoritatively unpaid");
     let refunds = flashsale_pg_worker::payments::list_refunds(c, 10).await.expect("refunds");
     let mut refunded: Vec<_> =
         refunds.iter().map(|r| (r.payment_id.as_str(), r.outcome.as_str())).collect();

@@ -286,3 +286,61 @@ pub async fn db() -> Db {
     .expect("pool");
     Db { db, client, pool }
 }
+
+// ---- payments --------------------------------------------------------------------------------
+
+/// Orders for users `users` through the real order-create transaction; their order ids.
+pub async fn orders(
+    db: &Db,
+    activity: i64,
+    sku: i64,
+    users: std::ops::Range<u64>,
+    tag: &str,
+) -> Vec<String> {
+    let messages: Vec<_> = users.map(|u| message(activity, sku, u, &format!("{tag}{u}"))).collect();
+    let refs: Vec<_> = messages.iter().collect();
+    let client = db.pool.get().await.expect("pooled connection");
+    let outcomes = flashsale_pg_worker::write_batch(
+        &client,
+        flashsale_io::jetstream::ORDER_WRITER_CONSUMER,
+        &refs,
+        now_ms(),
+    )
+    .await
+    .expect("write batch");
+    outcomes
+        .into_iter()
+        .map(|o| match o {
+            flashsale_pg_worker::WriteOutcome::Created { order_id, .. } => order_id,
+            other => panic!("expected an order, got {other:?}"),
+        })
+        .collect()
+}
+
+/// A provider's callback.
+pub fn cb(
+    payment_id: &str,
+    order_id: &str,
+    status: &str,
+    amount_cents: i64,
+) -> flashsale_pg_worker::payments::PaymentCallback {
+    flashsale_pg_worker::payments::PaymentCallback {
+        payment_id: payment_id.into(),
+        order_id: order_id.into(),
+        status: status.into(),
+        amount_cents,
+    }
+}
+
+/// (order status, its token's status).
+pub async fn status_and_token(c: &Client, order_id: &str) -> (String, String) {
+    let row = c
+        .query_one(
+            "SELECT o.status, t.status FROM orders o JOIN inventory_token t \
+             ON t.token_id = o.inventory_token_id WHERE o.order_id = $1",
+            &[&order_id],
+        )
+        .await
+        .expect("order");
+    (row.get(0), row.get(1))
+}
