@@ -2,65 +2,75 @@
 # benches/client-cost.sh — what the load generator costs per request, beside wrk (issue 25
 # item 5): the instrument must not cost more than the reference client on the same box.
 #
-#   benches/client-cost.sh            # builds the two release binaries, 3 alternated rounds
-#   ROUNDS=5 RATE=25000 benches/client-cost.sh
+#   benches/client-cost.sh                 # builds the two release binaries, 5 alternated rounds
+#   ROUNDS=3 RATE_FACTORS="0.9" benches/client-cost.sh
+#   LOADGEN_BEFORE=/path/to/older/flashsale-loadgen benches/client-cost.sh   # before/after too
 #
 # What it does:
 #  1. `cargo build --release -p flashsale-benches --bin flashsale-loadgen --bin flashsale-bare`
-#     into $CARGO_TARGET_DIR (default /work/target-loadgen; SKIP_BUILD=1 skips it).
+#     into $CARGO_TARGET_DIR (default target; SKIP_BUILD=1 skips it). wrk is Debian's `wrk`
+#     package: without it the script stops at once and says how to install it.
 #  2. Starts `flashsale-bare --shards 1` (the bare glommio server: the engine's parser and
-#     writer answering a fixed SOLD_OUT body). PIN=1 (default): the server's executor pinned
-#     to core $SERVER_CPU and each client held to core $CLIENT_CPU by taskset, so the two never
-#     share a core and the client's CPU is its own; PIN=0: everything floats (`--no-pin`, no
-#     taskset) — noisier, closer to the demo.
-#  3. $ROUNDS rounds, the order alternating (wrk first in odd rounds, the generator first in
-#     even ones), each client for $DURATION_S s on $CONNECTIONS connections, no pipelining:
+#     writer answering a fixed SOLD_OUT body), the same server for every client. PIN=1
+#     (default): the server's executor pinned to core $SERVER_CPU and each client held to core
+#     $CLIENT_CPU by taskset, so the two never share a core and the client's CPU is its own;
+#     PIN=0: everything floats (`--no-pin`, no taskset) — noisier, closer to the demo.
+#  3. $ROUNDS rounds; in each, every client runs once for $DURATION_S s on $CONNECTIONS
+#     connections, no pipelining, and the order rotates from round to round (A/B alternation:
+#     the machine is shared and its speed drifts within minutes):
 #     - wrk -t1 -c$CONNECTIONS -d${DURATION_S}s with a Lua script that only sets the method,
 #       headers and body once (no per-request Lua): the same request shape as the generator's
 #       (POST /v1/reservations, a bearer pass of a real pass's length, the JSON body).
-#     - flashsale-loadgen --threads 1 --pipeline 1 --retry off, open loop at $RATE req/s, or,
-#       when RATE is unset, at $RATE_FACTOR x the rate wrk achieved in the same round.
-#       RATE_FACTOR=0.9 (default): paced just below what the server sustains, the
-#       generator's job; the server then idles between requests, and on a VM every wake-up of
-#       an idle server (charged to the sender's send) and of the generator costs several µs,
-#       which a closed-loop wrk that keeps the server saturated never pays. RATE_FACTOR=1.3:
-#       more than the server takes, so both clients keep it saturated: like for like.
+#     - flashsale-loadgen --threads 1 --pipeline 1 --retry off, open loop, once per factor of
+#       $RATE_FACTORS at that factor × the rate wrk achieved in the same round (the previous
+#       round's when wrk runs later in this one), or at $RATE when set:
+#       0.9 — paced just below what the server sustains: the generator's job. The server then
+#         idles between requests, and on this VM every wake-up of an idle vCPU costs the
+#         side that causes it several µs (a `send` to an idle server pays for waking it),
+#         which a closed-loop wrk that keeps the server saturated never pays.
+#       1.3 — more than the server takes, so both clients keep it saturated: like for like.
+#     - with LOADGEN_BEFORE set, that binary too at each factor (before/after in one session).
 #  4. CPU: utime + stime of the client's process from /proc/<pid>/stat, polled every 10 ms
 #     while it runs (the last reading is at most 10 ms before it exits: the same small
 #     under-count, at the idle tail, for both clients), divided by the requests answered
 #     (wrk: "N requests"; the generator: `answered` of its JSON report). The generator also
-#     reports its own CPU over the schedule alone (`client_cpu` in the report, when the binary
-#     has it), printed beside for a cross-check.
-#  5. Prints each round and the medians; writes everything to $OUT (JSON).
+#     reports its own CPU over the schedule alone (`client_cpu` in its report), printed beside
+#     for a cross-check.
+#  5. Prints each run, then per client and factor the median µs per request and the median of
+#     the per-round ratios to wrk (< 1: cheaper than wrk); writes everything to $OUT (JSON).
 #
-# Knobs (environment): ROUNDS DURATION_S CONNECTIONS RATE RATE_FACTOR PIN SERVER_CPU
-# CLIENT_CPU USERS LOADGEN (another generator binary, e.g. an older build, for before/after)
-# SKIP_BUILD CARGO_TARGET_DIR LOGS OUT.
+# Knobs (environment): ROUNDS DURATION_S CONNECTIONS RATE RATE_FACTORS PIN SERVER_CPU
+# CLIENT_CPU USERS LOADGEN LOADGEN_BEFORE SKIP_BUILD CARGO_TARGET_DIR LOGS OUT.
 #
-# Keep it short on a shared box: 3 rounds x 2 clients x 5 s is about 40 s of load.
+# Keep it short on a shared box: 5 rounds × 3 clients × 4 s is about a minute and a half.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ROUNDS=${ROUNDS:-3}
-DURATION_S=${DURATION_S:-5}
+ROUNDS=${ROUNDS:-5}
+DURATION_S=${DURATION_S:-4}
 CONNECTIONS=${CONNECTIONS:-64}
 RATE=${RATE:-}
-RATE_FACTOR=${RATE_FACTOR:-0.9}
+RATE_FACTORS=${RATE_FACTORS:-0.9 1.3}
 PIN=${PIN:-1}
 SERVER_CPU=${SERVER_CPU:-0}
 CLIENT_CPU=${CLIENT_CPU:-1}
 USERS=${USERS:-1000}
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/target-loadgen}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 BIN=$CARGO_TARGET_DIR/release
 LOADGEN=${LOADGEN:-$BIN/flashsale-loadgen}
+LOADGEN_BEFORE=${LOADGEN_BEFORE:-}
 LOGS=${LOGS:-var/client-cost}
 OUT=${OUT:-$LOGS/client-cost-$(date -u +%FT%H%M%SZ).json}
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
     cargo build --release -p flashsale-benches --bin flashsale-loadgen --bin flashsale-bare >&2
 fi
-command -v wrk >/dev/null || { echo "client-cost: wrk missing: apt-get install -y wrk" >&2; exit 1; }
-for b in "$BIN/flashsale-bare" "$LOADGEN"; do
+if ! command -v wrk >/dev/null; then
+    echo "client-cost: wrk is not installed, so there is nothing to compare with." >&2
+    echo "client-cost: install it with: apt-get install -y wrk   (Debian package 'wrk')" >&2
+    exit 1
+fi
+for b in "$BIN/flashsale-bare" "$LOADGEN" ${LOADGEN_BEFORE:+"$LOADGEN_BEFORE"}; do
     [ -x "$b" ] || { echo "client-cost: $b missing" >&2; exit 1; }
 done
 mkdir -p "$LOGS" "$(dirname "$OUT")"
@@ -137,64 +147,90 @@ run_wrk() {
 }
 
 run_loadgen() {
-    local round=$1 rate=$2
-    RUN_LOG="$LOGS/loadgen-$round.txt"
-    LG_CPU=$(cpu_of "${TASKSET[@]}" "$LOADGEN" --target "$URL" --rate "$rate" \
+    local name=$1 bin=$2 rate=$3
+    RUN_LOG="$LOGS/$name.txt"
+    LG_CPU=$(cpu_of "${TASKSET[@]}" "$bin" --target "$URL" --rate "$rate" \
         --duration-s "$DURATION_S" --connections "$CONNECTIONS" --pipeline 1 --threads 1 \
-        --users "$USERS" --duplicate-ratio 0 --retry off --quiet --run-id "cc$round" \
-        --json "$LOGS/loadgen-$round.json")
-    LG_REQ=$(jq -r .answered "$LOGS/loadgen-$round.json")
-    LG_RPS=$(jq -r .achieved_rps "$LOGS/loadgen-$round.json")
-    LG_P99=$(jq -r .latency_ms.p99 "$LOGS/loadgen-$round.json")
-    LG_SELF=$(jq -r '.client_cpu.us_per_answer // "null"' "$LOGS/loadgen-$round.json")
+        --users "$USERS" --duplicate-ratio 0 --retry off --quiet --run-id "cc$RANDOM" \
+        --json "$LOGS/$name.json")
+    LG_REQ=$(jq -r .answered "$LOGS/$name.json")
+    LG_RPS=$(jq -r .achieved_rps "$LOGS/$name.json")
+    LG_P50=$(jq -r .latency_ms.p50 "$LOGS/$name.json")
+    LG_P99=$(jq -r .latency_ms.p99 "$LOGS/$name.json")
+    LG_SELF=$(jq -r '.client_cpu.us_per_answer // "null"' "$LOGS/$name.json")
 }
 
 us_per() { awk -v c="$1" -v n="$2" 'BEGIN { if (n > 0) printf "%.2f", c * 1e6 / n; else print "null" }'; }
 
+# The clients of one round: wrk, then the generator (and the older one) at each factor.
+CLIENTS=(wrk)
+for f in $RATE_FACTORS; do
+    CLIENTS+=("loadgen@$f")
+    [ -n "$LOADGEN_BEFORE" ] && CLIENTS+=("before@$f")
+done
+
 ROWS=()
+WRK_RPS=""
 for round in $(seq "$ROUNDS"); do
-    order=(wrk loadgen)
-    [ $((round % 2)) = 0 ] && order=(loadgen wrk)
-    # The generator's rate comes from wrk's in the same round: in even rounds wrk runs second,
-    # so the previous round's wrk rate is used (the first round always starts with wrk).
+    # Rotate the order: round r starts with client r - 1 (mod n); round 1 starts with wrk,
+    # whose rate the generators' rates come from.
+    n=${#CLIENTS[@]}
+    order=()
+    for k in $(seq 0 $((n - 1))); do order+=("${CLIENTS[$(((round - 1 + k) % n))]}"); done
+    RUNS=()
     for client in "${order[@]}"; do
         if [ "$client" = wrk ]; then
             run_wrk "$round"
-            echo "round $round wrk: $WRK_REQ requests, $WRK_RPS req/s, $WRK_CPU s CPU = $(us_per "$WRK_CPU" "$WRK_REQ") us/request $WRK_ERR" >&2
-        else
-            rate=${RATE:-$(awk -v r="$WRK_RPS" -v f="$RATE_FACTOR" 'BEGIN { printf "%d", r * f }')}
-            run_loadgen "$round" "$rate"
-            echo "round $round loadgen at $rate req/s: $LG_REQ answered, $LG_RPS req/s, p99 $LG_P99 ms, $LG_CPU s CPU = $(us_per "$LG_CPU" "$LG_REQ") us/request (own report: $LG_SELF us over the schedule)" >&2
+            WRK_US=$(us_per "$WRK_CPU" "$WRK_REQ")
+            echo "round $round wrk: $WRK_REQ requests, $WRK_RPS req/s, $WRK_CPU s CPU = $WRK_US us/request $WRK_ERR" >&2
+            RUNS+=("$(jq -n --arg client wrk --argjson cpu_s "$WRK_CPU" --argjson requests "$WRK_REQ" \
+                --argjson rps "$WRK_RPS" --argjson us "$WRK_US" \
+                '{client: $client, cpu_s: $cpu_s, requests: $requests, rps: $rps, us_per_request: $us}')")
+            continue
         fi
+        kind=${client%@*} factor=${client#*@}
+        bin=$LOADGEN
+        [ "$kind" = before ] && bin=$LOADGEN_BEFORE
+        rate=${RATE:-$(awk -v r="$WRK_RPS" -v f="$factor" 'BEGIN { printf "%d", r * f }')}
+        run_loadgen "$kind-$factor-$round" "$bin" "$rate"
+        LG_US=$(us_per "$LG_CPU" "$LG_REQ")
+        echo "round $round $kind x$factor at $rate req/s: $LG_REQ answered, $LG_RPS req/s, p50 $LG_P50 / p99 $LG_P99 ms, $LG_CPU s CPU = $LG_US us/request (own report: $LG_SELF us over the schedule)" >&2
+        RUNS+=("$(jq -n --arg client "$kind" --argjson factor "$factor" --argjson rate "$rate" \
+            --argjson cpu_s "$LG_CPU" --argjson requests "$LG_REQ" --argjson rps "$LG_RPS" \
+            --argjson p50 "$LG_P50" --argjson p99 "$LG_P99" --argjson self "$LG_SELF" \
+            --argjson us "$LG_US" '{client: $client, rate_factor: $factor, rate: $rate,
+              cpu_s: $cpu_s, requests: $requests, rps: $rps, p50_ms: $p50, p99_ms: $p99,
+              self_reported_us_per_answer: $self, us_per_request: $us}')")
     done
-    ROWS+=("$(jq -n --argjson round "$round" \
-        --argjson wrk_cpu_s "$WRK_CPU" --argjson wrk_requests "$WRK_REQ" --argjson wrk_rps "$WRK_RPS" \
-        --argjson lg_rate "$rate" --argjson lg_cpu_s "$LG_CPU" --argjson lg_answered "$LG_REQ" \
-        --argjson lg_rps "$LG_RPS" --argjson lg_p99 "$LG_P99" --argjson lg_self "$LG_SELF" '{
-          round: $round,
-          wrk: {cpu_s: $wrk_cpu_s, requests: $wrk_requests, rps: $wrk_rps,
-                us_per_request: (($wrk_cpu_s * 1e6 / $wrk_requests) * 100 | round / 100)},
-          loadgen: {rate: $lg_rate, cpu_s: $lg_cpu_s, answered: $lg_answered, rps: $lg_rps,
-                    p99_ms: $lg_p99, self_reported_us_per_answer: $lg_self,
-                    us_per_request: (($lg_cpu_s * 1e6 / $lg_answered) * 100 | round / 100)}}')")
+    ROWS+=("$(printf '%s\n' "${RUNS[@]}" | jq -s --argjson round "$round" '
+        (map(select(.client == "wrk"))[0].us_per_request) as $wrk
+        | {round: $round, runs: map(if .client == "wrk" then . else
+            . + {ratio_to_wrk: ((.us_per_request / $wrk) * 1000 | round / 1000)} end)}')")
 done
 
 CPU_MODEL=$(lscpu | sed -n 's/^Model name:[[:space:]]*//p')
 printf '%s\n' "${ROWS[@]}" | jq -s \
     --arg date "$(date -u +%FT%TZ)" --arg cpu "$CPU_MODEL" --arg kernel "$(uname -r)" \
-    --arg pin "$PIN" --arg loadgen "$LOADGEN" --argjson connections "$CONNECTIONS" \
-    --argjson duration_s "$DURATION_S" --arg rate "${RATE:-}" --argjson rate_factor "$RATE_FACTOR" '
+    --arg pin "$PIN" --arg loadgen "$LOADGEN" --arg before "$LOADGEN_BEFORE" \
+    --argjson connections "$CONNECTIONS" --argjson duration_s "$DURATION_S" \
+    --arg rate "${RATE:-}" --arg factors "$RATE_FACTORS" '
     def median: sort | if length == 0 then null elif length % 2 == 1 then .[length / 2 | floor]
         else (.[length / 2 - 1] + .[length / 2]) / 2 end;
-    {date: $date, machine: {cpu: $cpu, kernel: $kernel},
-     setup: {server: "flashsale-bare --shards 1", pinned: ($pin == "1"),
-             connections: $connections, duration_s: $duration_s, pipeline: 1,
-             loadgen_rate: (if $rate == "" then "\($rate_factor) x the wrk rate" else $rate end),
-             loadgen: $loadgen, wrk: "wrk -t1 (static Lua request)"},
-     wrk_us_per_request_median: (map(.wrk.us_per_request) | median),
-     loadgen_us_per_request_median: (map(.loadgen.us_per_request) | median),
-     wrk_rps_median: (map(.wrk.rps) | median),
-     loadgen_rps_median: (map(.loadgen.rps) | median),
-     rounds: .}' >"$OUT"
-jq -r '"medians of \(.rounds | length): wrk \(.wrk_us_per_request_median) us/request at \(.wrk_rps_median) req/s; flashsale-loadgen \(.loadgen_us_per_request_median) us/request at \(.loadgen_rps_median) req/s"' "$OUT"
+    (map(.runs[]) ) as $all
+    | {date: $date, machine: {cpu: $cpu, kernel: $kernel},
+       setup: {server: "flashsale-bare --shards 1", pinned: ($pin == "1"),
+               connections: $connections, duration_s: $duration_s, pipeline: 1,
+               loadgen_rate: (if $rate == "" then "\($factors) x the wrk rate" else $rate end),
+               loadgen: $loadgen, loadgen_before: (if $before == "" then null else $before end),
+               wrk: "wrk -t1 (static Lua request)"},
+       medians: {wrk: {us_per_request: ($all | map(select(.client == "wrk") | .us_per_request) | median),
+                       rps: ($all | map(select(.client == "wrk") | .rps) | median)},
+                 generators: ($all | map(select(.client != "wrk")) | group_by([.client, .rate_factor])
+                   | map({client: .[0].client, rate_factor: .[0].rate_factor,
+                          us_per_request: (map(.us_per_request) | median),
+                          ratio_to_wrk: (map(.ratio_to_wrk) | median),
+                          rps: (map(.rps) | median), p99_ms: (map(.p99_ms) | median)}))},
+       rounds: .}' >"$OUT"
+jq -r '"medians of \(.rounds | length) rounds: wrk \(.medians.wrk.us_per_request) us/request at \(.medians.wrk.rps) req/s",
+       (.medians.generators[] | "  \(.client) at \(.rate_factor) x wrk rate: \(.us_per_request) us/request (median ratio to wrk \(.ratio_to_wrk)) at \(.rps) req/s, p99 \(.p99_ms) ms")' "$OUT"
 echo "client-cost: written to $OUT" >&2

@@ -250,7 +250,7 @@ impl Report {
             }
             percentile_curves.insert(s.as_str().to_owned(), curve(h));
         }
-        let http_status = r.http_status.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        let http_status = r.http_status.iter().map(|(k, v)| (k.to_string(), v)).collect();
         let per_s = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         let users: std::collections::HashSet<u32> =
             m.seen.reservations.values().map(|r| r.user).collect();

@@ -83,10 +83,13 @@ impl Profile {
     /// When request `index` (0-based) is due, in nanoseconds from the start.
     pub fn offset_ns(&self, index: u64) -> u64 {
         match *self {
-            // Integer arithmetic: request i lands exactly on the i-th grid point.
-            Profile::Constant { rate_per_s } => {
-                (u128::from(index) * 1_000_000_000 / u128::from(rate_per_s)) as u64
-            }
+            // Integer arithmetic: request i lands exactly on the i-th grid point. In u64 while
+            // `i × 10⁹` fits (any run under ~18 × 10⁹ requests): a u128 division is a library
+            // call, and this runs once per request.
+            Profile::Constant { rate_per_s } => match index.checked_mul(1_000_000_000) {
+                Some(ns_x_rate) => ns_x_rate / rate_per_s,
+                None => (u128::from(index) * 1_000_000_000 / u128::from(rate_per_s)) as u64,
+            },
             Profile::Burst { peak_per_s, ramp_ms } => {
                 let peak = peak_per_s as f64;
                 let ramp = ramp_ms as f64 / 1e3;
@@ -182,6 +185,15 @@ mod tests {
         let odd = Profile::Constant { rate_per_s: 3 };
         assert_eq!(odd.offset_ns(1), 333_333_333);
         assert_eq!(odd.count_within(1_000_000_000), 3);
+        // Either side of where `i × 10⁹` leaves u64, the grid is the exact u128 one.
+        let edge = u64::MAX / 1_000_000_000;
+        for rate_per_s in [1, 7, 10_000_000] {
+            let p = Profile::Constant { rate_per_s };
+            for i in [edge - 1, edge, edge + 1, edge + 2, u64::MAX / 2] {
+                let exact = u128::from(i) * 1_000_000_000 / u128::from(rate_per_s);
+                assert_eq!(u128::from(p.offset_ns(i)), exact & u128::from(u64::MAX), "{i}");
+            }
+        }
     }
 
     #[test]
