@@ -680,3 +680,67 @@ fn queries_and_order_reads_are_rate_limited_and_bad_callbacks_counted() {
     assert_eq!(metric(&engine.metrics(), "flashsale_payment_callback_bad_signature_total"), 3);
     engine.assert_invariants(13, 14);
 }
+
+/// A reservation's `next_retry_at` and status in Redis.
+fn retry_at_and_status(engine: &Engine, sku: (u64, u64), reservation_id: &str) -> (u64, String) {
+    let key = format!("seckill:{{{}:{}}}:resv:{reservation_id}", sku.0, sku.1);
+    let at = redis_cmd(&engine.redis, &["HGET", &key, "next_retry_at"]).parse().unwrap();
+    (at, redis_cmd(&engine.redis, &["HGET", &key, "status"]))
+}
+
+/// The mark after the log's ack is deferred (issue 25): with no worker, so no outcome ever
+/// comes, it is made three quarters of the pending grace after the reservation — before the
+/// scanner would take the reservation — and then nothing is republished before the order
+/// deadline. (The other half, an outcome first and no mark at all, is the next test.)
+#[test]
+fn an_acked_message_without_an_outcome_is_marked_before_the_scanner_would_take_it() {
+    // The harness runs no worker unless asked.
+    let engine = Engine::start_with(|c| {
+        c.edge.pending_grace_ms = 2_000;
+        c.edge.scanner.interval_ms = 100;
+        c.edge.scanner.sku_refresh_ms = 100;
+    });
+    engine.create_activity(61, 62, 5);
+    let mut c = HttpClient::connect(engine.http());
+    let (_, v) = engine.submit(&mut c, 1, 61, 62, "m-1");
+    assert_eq!(state(&v), "QUEUED", "{v}");
+    let resv = v["reservation_id"].as_str().unwrap().to_owned();
+    let (first_retry_at, status) = retry_at_and_status(&engine, (61, 62), &resv);
+    assert_eq!(status, "PENDING_MESSAGE", "not marked at the ack");
+    wait_for_ms("the deferred mark", 10_000, || {
+        retry_at_and_status(&engine, (61, 62), &resv).1 == "MESSAGE_SENT"
+    });
+    let (retry_at, _) = retry_at_and_status(&engine, (61, 62), &resv);
+    assert!(retry_at >= first_retry_at + 5_000, "re-scored to the order deadline: {retry_at}");
+    // Past the grace the scanner finds nothing due.
+    std::thread::sleep(Duration::from_millis(2_500));
+    assert_eq!(metric(&engine.metrics(), "flashsale_republished_total"), 0);
+}
+
+/// An outcome that reaches Redis before the deferred mark falls due makes the mark moot: the
+/// reservation goes from PENDING_MESSAGE straight to ORDER_CREATED, its `next_retry_at` never
+/// re-scored (a mark would have moved it to the order deadline). The grace is long here so a
+/// slow machine's order still arrives first.
+#[test]
+fn an_outcome_before_the_mark_falls_due_leaves_no_mark_to_make() {
+    let engine = Engine::start_with(|c| {
+        c.worker = Some(flashsale_tests::small_worker(c));
+        c.edge.pending_grace_ms = 8_000;
+    });
+    engine.create_activity(63, 64, 5);
+    let mut c = HttpClient::connect(engine.http());
+    let (_, v) = engine.submit(&mut c, 1, 63, 64, "m-1");
+    assert_eq!(state(&v), "QUEUED", "{v}");
+    let resv = v["reservation_id"].as_str().unwrap().to_owned();
+    let (first_retry_at, _) = retry_at_and_status(&engine, (63, 64), &resv);
+    wait_for_ms("the order's outcome in Redis", 5_000, || {
+        retry_at_and_status(&engine, (63, 64), &resv).1 == "ORDER_CREATED"
+    });
+    // Past the time the mark would have fallen due.
+    std::thread::sleep(Duration::from_millis(6_500));
+    assert_eq!(
+        retry_at_and_status(&engine, (63, 64), &resv),
+        (first_retry_at, "ORDER_CREATED".to_owned()),
+        "never marked"
+    );
+}
