@@ -230,6 +230,16 @@ fn acked(path: &Rc<PublishPath>, keys: &Rc<SkuKeys>, mark: MarkRequest) {
     if mark.identity == MsgIdentity::Attempt {
         return;
     }
+    if mark.due_ms <= now_ms() {
+        // A republish, or an ack later than its mark's time: marked now, never behind the
+        // deferred ones.
+        path.marks.queue.borrow_mut().push((Rc::clone(keys), mark));
+        if !path.marks.flushing.replace(true) {
+            let path = Rc::clone(path);
+            glommio::spawn_local(async move { flush_marks(&path).await }).detach();
+        }
+        return;
+    }
     path.marks.awaiting.borrow_mut().insert(mark.reservation_id.clone());
     path.marks.deferred.borrow_mut().push_back((Rc::clone(keys), mark));
     if !path.marks.waiting.replace(true) {
@@ -243,9 +253,9 @@ fn acked(path: &Rc<PublishPath>, keys: &Rc<SkuKeys>, mark: MarkRequest) {
 /// for due marks or sending them.
 #[derive(Default)]
 struct Marks {
-    /// In ack order, so nearly in order of the time each falls due (a mark due earlier
-    /// behind a later one waits for it: at most one `MARK_TICK_MS` late for acks that arrive
-    /// together).
+    /// Fresh reservations' marks in ack order, so in order of the time each falls due but for
+    /// acks that overtake each other (a mark behind a later one waits for it: a publish's ack
+    /// comes within its wait, far less than the grace). Marks already due skip this queue.
     deferred: RefCell<VecDeque<(Rc<SkuKeys>, MarkRequest)>>,
     /// Reservations in `deferred` whose outcome has not reached Redis yet.
     awaiting: RefCell<HashSet<String>>,
