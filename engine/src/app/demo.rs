@@ -124,12 +124,13 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     };
     let target = balancer.as_ref().map_or(handle.http_addr, |b| b.addr);
     let prefix = format!("seckill:{{{ACTIVITY_ID}:{SKU_ID}}}:");
+    let load_ended = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let redis = redis_stats::Account::start(&servers, &format!("{prefix}stock"))
         .map_err(|e| eprintln!("demo: no Redis account: {e:#}"))
         .ok()
         .map(|account| {
-            let stock = plan.stock;
-            std::thread::spawn(move || account.finish(&prefix, stock))
+            let (stock, ended) = (plan.stock, std::sync::Arc::clone(&load_ended));
+            std::thread::spawn(move || account.finish(&prefix, stock, &ended))
         });
     let mut loadgen = loadgen_command(plan, &config, target, handle.admin_addr)
         .spawn()
@@ -142,6 +143,7 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
         std::thread::spawn(move || inject(fault, &dir, after, second))
     });
     let status = loadgen.wait().context("wait for flashsale-loadgen")?;
+    load_ended.store(true, std::sync::atomic::Ordering::Relaxed);
     let samples = sampler.map(demo_cpu::Sampler::finish);
     let redis = redis.map(|t| t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("panicked"))));
     let (fault_report, second) = match fault.map(|t| t.join()) {

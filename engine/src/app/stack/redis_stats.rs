@@ -13,6 +13,7 @@
 //! queries, the replay load).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use flashsale_io::resp::Reply;
@@ -53,24 +54,30 @@ impl Account {
         Ok(Account { masters, hot, started: Instant::now() })
     }
 
-    /// Waits until the sale's Redis work is done (see the module documentation) and reads the
-    /// counters; `sold` units were for sale.
-    pub fn finish(self, prefix: &str, sold: u64) -> anyhow::Result<serde_json::Value> {
+    /// Waits until the sale's Redis work is done (see the module documentation), or until
+    /// `load_ended` is set (a sale that did not sell out: the counters then cover the whole
+    /// run, the generator's checks of the stores included, and `sold_out` is false), and reads
+    /// the counters; `stock` units were for sale (those sold are what `stock` lost).
+    pub fn finish(
+        self,
+        prefix: &str,
+        stock_at_start: u64,
+        load_ended: &AtomicBool,
+    ) -> anyhow::Result<serde_json::Value> {
         let (stock, pending) = (format!("{prefix}stock"), format!("{prefix}resv:pending"));
         let (mut polls, deadline) = (0u64, Instant::now() + WATCH_MAX);
-        loop {
+        let (sold_out, left) = loop {
             polls += 1;
             let left = text(&call(self.hot, &["GET", &stock])?);
             let queued = text(&call(self.hot, &["ZCARD", &pending])?);
             if left == "0" && queued == "0" {
-                break;
+                break (true, 0);
             }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "the sale's outcomes never all reached Redis"
-            );
+            if load_ended.load(Ordering::Relaxed) || Instant::now() > deadline {
+                break (false, left.parse().unwrap_or(0));
+            }
             std::thread::sleep(Duration::from_millis(POLL_MS));
-        }
+        };
         let mut calls: std::collections::BTreeMap<String, u64> = Default::default();
         let mut slow = Vec::new();
         for &port in &self.masters {
@@ -85,7 +92,10 @@ impl Account {
         for (name, n) in [("get", polls), ("zcard", polls), ("exists", probes)] {
             calls.entry(name.into()).and_modify(|c| *c = c.saturating_sub(n));
         }
-        Ok(summary(&calls, slow, sold, self.started.elapsed()))
+        let sold = stock_at_start.saturating_sub(left);
+        let mut account = summary(&calls, slow, sold, self.started.elapsed());
+        account["sold_out"] = serde_json::Value::Bool(sold_out);
+        Ok(account)
     }
 }
 
