@@ -24,7 +24,7 @@ use flashsale_pg_worker::payments::{
     CallbackOutcome, ReleaseOutcome,
 };
 use flashsale_tests::{redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient};
-use pipeline_support::{cb, connect, count, db, now_ms, orders, seed_sku};
+use pipeline_support::{cb, connect, count, db, now_ms, order_for, orders, seed_sku};
 use tokio_postgres::Client;
 
 const PAY_KEY_HEX: &str = "5f3c1a2b4d6e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90";
@@ -489,20 +489,6 @@ fn create_activity(engine: &Engine, activity: u64, sku: u64, stock: u64, pay_tim
         r#"{{"activity_id":{activity},"sku_id":{sku},"stock":{stock},"pay_timeout_ms":{pay_timeout_ms}}}"#
     );
     engine.create_activity_with(&body);
-}
-
-/// Submits for `user` and waits for the order; its id.
-fn order_for(engine: &Engine, c: &mut HttpClient, user: u64, activity: u64, sku: u64) -> String {
-    let request_id = format!("pay-{user}");
-    let (status, queued) = engine.submit(c, user, activity, sku, &request_id);
-    assert_eq!((status, state(&queued)), (202, "QUEUED"), "{queued}");
-    let mut order_id = String::new();
-    wait_for_ms("order created", 10_000, || {
-        let (_, v) = engine.query(c, user, activity, sku, &request_id);
-        order_id = v["order_id"].as_str().unwrap_or("").to_string();
-        state(&v) == "SUCCEEDED"
-    });
-    order_id
 }
 
 fn stock(engine: &Engine, activity: u64, sku: u64) -> String {

@@ -23,10 +23,10 @@ use flashsale_pg_worker::payments::{
 };
 use flashsale_pg_worker::{write_batch, WriteOutcome};
 use flashsale_tests::{
-    metric, prometheus_render, redis_cmd, small_worker, state, wait_for_ms, Engine, HttpClient,
+    metric, prometheus_render, redis_cmd, small_worker, wait_for_ms, Engine, HttpClient,
 };
 use pipeline_support::{
-    cb, connect, count, db, message, now_ms, orders, seed_sku, status_and_token, Db,
+    cb, connect, count, db, message, now_ms, order_for, orders, seed_sku, status_and_token, Db,
 };
 use serde_json::Value;
 use tokio_postgres::Client;
@@ -322,19 +322,6 @@ fn engine_with_worker(without: WithoutProvider) -> Engine {
         c.render_extra = Some(prometheus_render());
         c.edge.payment_key = Some(HmacKey::from_hex(PAY_KEY_HEX).unwrap());
     })
-}
-
-fn order_for(engine: &Engine, c: &mut HttpClient, user: u64, activity: u64, sku: u64) -> String {
-    let request_id = format!("pay-{user}");
-    let (status, queued) = engine.submit(c, user, activity, sku, &request_id);
-    assert_eq!((status, state(&queued)), (202, "QUEUED"), "{queued}");
-    let mut order_id = String::new();
-    wait_for_ms("order created", 10_000, || {
-        let (_, v) = engine.query(c, user, activity, sku, &request_id);
-        order_id = v["order_id"].as_str().unwrap_or("").to_string();
-        state(&v) == "SUCCEEDED"
-    });
-    order_id
 }
 
 fn order_status(engine: &Engine, order_id: &str) -> String {

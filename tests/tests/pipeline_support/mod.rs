@@ -344,3 +344,24 @@ pub async fn status_and_token(c: &Client, order_id: &str) -> (String, String) {
         .expect("order");
     (row.get(0), row.get(1))
 }
+
+/// Submits for `user` through the engine and waits for the order; its id.
+pub fn order_for(
+    engine: &flashsale_tests::Engine,
+    c: &mut flashsale_tests::HttpClient,
+    user: u64,
+    activity: u64,
+    sku: u64,
+) -> String {
+    use flashsale_tests::state;
+    let request_id = format!("pay-{user}");
+    let (status, queued) = engine.submit(c, user, activity, sku, &request_id);
+    assert_eq!((status, state(&queued)), (202, "QUEUED"), "{queued}");
+    let mut order_id = String::new();
+    flashsale_tests::wait_for_ms("order created", 10_000, || {
+        let (_, v) = engine.query(c, user, activity, sku, &request_id);
+        order_id = v["order_id"].as_str().unwrap_or("").to_string();
+        state(&v) == "SUCCEEDED"
+    });
+    order_id
+}
