@@ -85,6 +85,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "payment_hold",
         sql: include_str!("../migrations/0008_payment_hold.sql"),
     },
+    Migration {
+        version: 9,
+        name: "request_unique",
+        sql: include_str!("../migrations/0009_request_unique.sql"),
+    },
 ];
 
 // A malformed list is a build defect: catch it at compile time.

@@ -15,6 +15,10 @@
 //!    contended earlier in the batch runs afresh (its inbox row went back);
 //! 2. a reservation already recorded (committed, or by an earlier message of this batch under
 //!    another message id) is a duplicate; its inbox row is kept;
+//!    2b. the buyer's request id recorded under another reservation (committed, or decided
+//!    earlier in this batch), neither of them a duplicate buyer → `REJECTED_DUPLICATE_USER`,
+//!    no unit (migration 0009: Redis lost the request record and minted a second reservation;
+//!    the first stays the one the request id names);
 //! 3. expired (`reservation_expires_at <= now`) → `REJECTED_EXPIRED`; activity or SKU unknown,
 //!    or activity TERMINATED → `REJECTED_ACTIVITY`;
 //! 4. claim a unit of the SKU: TOKEN takes the lowest-seq locked token, ROW one unit of the
@@ -70,6 +74,9 @@ pub struct Facts {
     pub recorded: Vec<RecordedRow>,
     /// 0-based positions whose buyer already holds an order.
     pub ordered_positions: Vec<usize>,
+    /// 0-based positions whose buyer's request id is recorded under another reservation that
+    /// is not `REJECTED_DUPLICATE_USER` (`sql::REQUESTED_ELSEWHERE_SQL`, rule 2b).
+    pub requested_positions: Vec<usize>,
     /// Every SKU the batch may claim from.
     pub skus: Vec<SkuFacts>,
 }
@@ -190,6 +197,11 @@ struct Planner<'m, 'f> {
     seen: HashMap<&'m str, Seen>,
     /// (activity, sku, user) holding an order, committed or created in this batch.
     ordered: HashSet<(u64, u64, u64)>,
+    /// Positions whose request id is recorded under another reservation (rule 2b).
+    requested: HashSet<usize>,
+    /// (activity, sku, user, request id) decided in this batch other than as a duplicate
+    /// buyer (rule 2b, the batch's own half).
+    requests: HashSet<(u64, u64, u64, &'m str)>,
     skus: HashMap<SkuKey, SkuState<'f>>,
     plan: Plan,
     bugs: InjectedBugs,
@@ -254,6 +266,8 @@ impl<'m, 'f> Planner<'m, 'f> {
             batch: HashMap::with_capacity(messages.len()),
             seen: HashMap::with_capacity(messages.len()),
             ordered,
+            requested: facts.requested_positions.iter().copied().collect(),
+            requests: HashSet::with_capacity(messages.len()),
             skus,
             plan: Plan {
                 outcomes: Vec::with_capacity(messages.len()),
@@ -274,6 +288,9 @@ impl<'m, 'f> Planner<'m, 'f> {
             if let Some(duplicate) = self.dedup(m) {
                 return duplicate;
             }
+        }
+        if self.requested.contains(&position) || self.requests.contains(&request(m)) {
+            return Ok(self.finish_rejected(position, m, RejectReason::DuplicateUser, None));
         }
         if m.reservation_expires_at_ms <= self.now_ms {
             return Ok(self.finish_rejected(position, m, RejectReason::Expired, None));
@@ -377,6 +394,9 @@ impl<'m, 'f> Planner<'m, 'f> {
     ) -> WriteOutcome {
         self.seen.insert(&m.message_id, Seen::Kept);
         self.batch.insert(&m.reservation_id, Recorded::Rejected(reason));
+        if reason != RejectReason::DuplicateUser {
+            self.requests.insert(request(m));
+        }
         self.plan.finals.push(FinalRow {
             position,
             status: reason.reservation_status(),
@@ -395,6 +415,7 @@ impl<'m, 'f> Planner<'m, 'f> {
     ) -> WriteOutcome {
         let order_id = m.order_id();
         self.seen.insert(&m.message_id, Seen::Kept);
+        self.requests.insert(request(m));
         self.batch.insert(&m.reservation_id, Recorded::Created { order_id: order_id.clone() });
         self.plan.finals.push(FinalRow {
             position,
@@ -611,6 +632,11 @@ fn buyer(m: &OrderCreate) -> (u64, u64, u64) {
     (m.activity_id, m.sku_id, m.user_id)
 }
 
+/// The buyer's request (rule 2b).
+fn request(m: &OrderCreate) -> (u64, u64, u64, &str) {
+    (m.activity_id, m.sku_id, m.user_id, m.request_id.as_str())
+}
+
 /// The SKU key as PostgreSQL stores it. `wire::OrderCreate::validate` bounds the ids by
 /// i64::MAX; saturate like the per-message path does (the SQL then finds no such SKU).
 pub fn sku_key(m: &OrderCreate) -> SkuKey {
@@ -795,6 +821,9 @@ mod tests {
             })
             .collect();
         let mut orders: HashSet<(u64, u64)> = world.orders.iter().copied().collect();
+        // (sku, user, request id) recorded other than as a duplicate buyer (step 2b); the
+        // world's committed reservations carry no request of a batch's buyers.
+        let mut requests: HashSet<(u64, u64, String)> = HashSet::new();
         // Per TOKEN SKU: next free seq, last free seq (others hold the rest), pool.
         let mut next = [1u64, 1u64];
         let mut pools: [VecDeque<String>; 2] = [VecDeque::new(), VecDeque::new()];
@@ -818,7 +847,10 @@ mod tests {
                 reason,
                 claim_us,
             };
-            let outcome = if m.reservation_expires_at_ms <= NOW_MS {
+            let request = (m.sku_id, m.user_id, m.request_id.clone());
+            let outcome = if requests.contains(&request) {
+                reject(RejectReason::DuplicateUser, None)
+            } else if m.reservation_expires_at_ms <= NOW_MS {
                 reject(RejectReason::Expired, None)
             } else if m.sku_id == 5 || m.sku_id == 6 {
                 reject(RejectReason::ActivityTerminated, None)
@@ -870,6 +902,9 @@ mod tests {
                 WriteOutcome::Rejected { reason, .. } => Recorded::Rejected(*reason),
                 _ => unreachable!("final outcomes only here"),
             };
+            if r != Recorded::Rejected(RejectReason::DuplicateUser) {
+                requests.insert(request);
+            }
             recorded.insert(m.reservation_id.clone(), r);
             out.push(outcome);
         }
@@ -936,7 +971,7 @@ mod tests {
             let claim_us = (claim != SkuClaim::Closed).then_some(3);
             skus.push(SkuFacts { key: (1, sku as i64), claim, claim_us });
         }
-        Facts { inserted_ids, recorded, ordered_positions, skus }
+        Facts { inserted_ids, recorded, ordered_positions, requested_positions: Vec::new(), skus }
     }
 
     fn world() -> impl Strategy<Value = World> {
@@ -978,16 +1013,21 @@ mod tests {
     /// Messages over 12 tags (so repeats, reservations under two ids and shared buyers are
     /// common), SKUs 2..=6 and 6 buyers; some expired.
     fn batch() -> impl Strategy<Value = Vec<OrderCreate>> {
-        proptest::collection::vec((0usize..12, 0usize..12, 2u64..=6, 0u64..6, any::<bool>()), 1..24)
+        let spec = (0usize..12, 0usize..12, 2u64..=6, 0u64..6, any::<bool>(), 0u8..4);
+        proptest::collection::vec(spec, 1..24)
             .prop_map(|specs| {
                 specs
                     .into_iter()
-                    .map(|(msg, resv, sku, user, expired)| {
+                    .map(|(msg, resv, sku, user, expired, shared_request)| {
                         // A message id always carries the same body; the reservation id is
-                        // shared by design between some message ids.
+                        // shared by design between some message ids, and a quarter of the
+                        // messages carry their buyer's one shared request id (step 2b).
                         let resv = if resv % 3 == 0 { resv } else { msg };
                         let mut m = message(&format!("{msg}"), sku, user);
                         m.reservation_id = format!("resv_{resv}");
+                        if shared_request == 0 {
+                            m.request_id = format!("req_shared_{user}");
+                        }
                         if expired && msg % 4 == 0 {
                             m.reservation_expires_at_ms = NOW_MS;
                         }

@@ -24,7 +24,9 @@ pub struct ReservationRecord {
 }
 
 /// The reservation of `request_id` for this user and SKU, if the order-writer has seen it.
-/// Scoped by user: a user can only ever find their own requests.
+/// Scoped by user: a user can only ever find their own requests. A request id names one
+/// reservation (migration 0009); a second one minted after Redis lost the first is recorded
+/// as `REJECTED_DUPLICATE_USER`, so the original is preferred.
 pub async fn find_reservation(
     client: &Client,
     activity_id: i64,
@@ -36,7 +38,7 @@ pub async fn find_reservation(
         .query_opt(
             "SELECT reservation_id, status, order_id FROM inventory_reservation \
              WHERE activity_id = $1 AND sku_id = $2 AND user_id = $3 AND request_id = $4 \
-             ORDER BY reserved_at LIMIT 1",
+             ORDER BY status = 'REJECTED_DUPLICATE_USER', reserved_at LIMIT 1",
             &[&activity_id, &sku_id, &user_id, &request_id],
         )
         .await?;

@@ -186,8 +186,8 @@ async fn stop_on_breach(
     resume_unwind(breach)
 }
 
-/// BEGIN and the facts, in one round trip. `Ok(Err(refused))`: the server refused the facts
-/// call and the transaction was rolled back.
+/// BEGIN, the facts and the requests recorded elsewhere (plan rule 2b), in one round trip.
+/// `Ok(Err(refused))`: the server refused a read and the transaction was rolled back.
 async fn read_facts(
     client: &tokio_postgres::Client,
     statements: &Statements,
@@ -207,26 +207,50 @@ async fn read_facts(
         &columns.expires_at,
         &now,
     ];
-    let requests =
-        vec![exec(client, &statements.begin), call(client, &statements.order_facts, &args)];
+    let requested_args: [&(dyn ToSql + Sync); 5] = [
+        &columns.activity_ids,
+        &columns.sku_ids,
+        &columns.user_ids,
+        &columns.request_ids,
+        &columns.reservation_ids,
+    ];
+    let requests = vec![
+        exec(client, &statements.begin),
+        call(client, &statements.order_facts, &args),
+        call(client, &statements.requested_elsewhere, &requested_args),
+    ];
     let mut results = pipeline(requests).await.into_iter();
     next_result(&mut results)?; // BEGIN: fails only if the connection broke.
-    match results.next() {
-        Some(Ok(Some(row))) => Ok(Ok(decode_facts(&row, messages.len())?)),
-        Some(Err(error)) if error.code().is_some() => {
+    let (facts, requested) = (results.next(), results.next());
+    let (facts, requested) = match (facts, requested) {
+        (Some(Ok(Some(facts))), Some(Ok(Some(requested)))) => (facts, requested),
+        (Some(Err(error)), _) | (_, Some(Err(error))) if error.code().is_some() => {
             client.execute(&statements.rollback, &[]).await?;
             let text = describe(&error);
-            Ok(Err(Attempt::Refused(Refusal::of(&error), text)))
+            return Ok(Err(Attempt::Refused(Refusal::of(&error), text)));
         }
-        Some(Err(error)) => Err(error.into()),
-        Some(Ok(None)) | None => Err(PgError::InvalidArgument("the facts call returned no row")),
-    }
+        (Some(Err(error)), _) | (_, Some(Err(error))) => return Err(error.into()),
+        _ => return Err(PgError::InvalidArgument("a facts read returned no row")),
+    };
+    let mut facts = decode_facts(&facts, messages.len())?;
+    facts.requested_positions = positions(requested.try_get(0)?, messages.len())
+        .ok_or(PgError::InvalidArgument("facts: a request position outside the batch"))?;
+    Ok(Ok(facts))
+}
+
+/// 1-based positions as 0-based indexes into a batch of `batch_len`; `None` if one is outside.
+fn positions(one_based: Vec<i32>, batch_len: usize) -> Option<Vec<usize>> {
+    one_based
+        .into_iter()
+        .map(|p| usize::try_from(p).ok().and_then(|p| p.checked_sub(1)).filter(|&p| p < batch_len))
+        .collect()
 }
 
 /// The messages as the facts function's arrays, by position.
 struct FactColumns<'a> {
     message_ids: Vec<&'a str>,
     reservation_ids: Vec<&'a str>,
+    request_ids: Vec<&'a str>,
     activity_ids: Vec<i64>,
     sku_ids: Vec<i64>,
     user_ids: Vec<i64>,
@@ -238,6 +262,7 @@ impl<'a> FactColumns<'a> {
         FactColumns {
             message_ids: messages.iter().map(|m| m.message_id.as_str()).collect(),
             reservation_ids: messages.iter().map(|m| m.reservation_id.as_str()).collect(),
+            request_ids: messages.iter().map(|m| m.request_id.as_str()).collect(),
             activity_ids: messages.iter().map(|m| bigint(m.activity_id)).collect(),
             sku_ids: messages.iter().map(|m| bigint(m.sku_id)).collect(),
             user_ids: messages.iter().map(|m| bigint(m.user_id)).collect(),
@@ -335,16 +360,13 @@ fn decode_facts(row: &Row, batch_len: usize) -> Result<Facts, PgError> {
             order_id,
         })
         .collect();
-    let ordered: Vec<i32> = row.try_get(4)?;
-    let ordered_positions = ordered
-        .into_iter()
-        .map(|p| usize::try_from(p).ok().and_then(|p| p.checked_sub(1)).filter(|&p| p < batch_len))
-        .collect::<Option<Vec<usize>>>()
+    let ordered_positions = positions(row.try_get(4)?, batch_len)
         .ok_or(bad("facts: a buyer position outside the batch"))?;
     Ok(Facts {
         inserted_ids: row.try_get(0)?,
         recorded,
         ordered_positions,
+        requested_positions: Vec::new(),
         skus: decode_skus(row)?,
     })
 }

@@ -22,6 +22,22 @@ pub const ORDER_FACTS_SQL: &str = "\
            r_sku_available, r_sku_contended, r_sku_claim_us, r_token_skus, r_token_ids \
     FROM flashsale_order_facts($1, $2, $3, $4, $5, $6, $7, $8)";
 
+/// The positions (1-based) of a set-based batch whose buyer's request id is recorded under
+/// another reservation that is not itself a duplicate (migration 0009, plan rule 2b): their
+/// reservation is a duplicate of the first. Parameters (arrays by position): activity ids, SKU
+/// ids, user ids, request ids, reservation ids. One index probe per message
+/// (`inventory_reservation_request_key`, whose predicate the subquery repeats).
+pub const REQUESTED_ELSEWHERE_SQL: &str = "\
+    SELECT coalesce(array_agg(m.pos::integer ORDER BY m.pos), '{}') \
+    FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::text[], $5::text[]) \
+         WITH ORDINALITY AS m(activity_id, sku_id, user_id, request_id, reservation_id, pos) \
+    WHERE EXISTS (SELECT 1 FROM inventory_reservation r \
+                  WHERE r.activity_id = m.activity_id AND r.sku_id = m.sku_id \
+                    AND r.user_id = m.user_id AND r.request_id = m.request_id \
+                    AND r.status <> 'REJECTED_DUPLICATE_USER' \
+                    AND r.reservation_id <> m.reservation_id \
+                  OFFSET 0)";
+
 /// The set-based batch's writes, as `plan::plan` decided them: consumer group, contended
 /// message ids; per final outcome (batch order) reservation id, request id, message id,
 /// activity id, SKU id, user id, status, order id, token id, reserved at, expires at; per ROW

@@ -220,6 +220,7 @@ fn plan_redelivery(m: &OrderCreate) -> WriteOutcome {
             order_id: Some(m.order_id()),
         }],
         ordered_positions: vec![0],
+        requested_positions: Vec::new(),
         skus: vec![SkuFacts {
             key: (ACTIVITY, SKU),
             claim: SkuClaim::Token { tokens: vec!["tok_spare".to_owned()], contended: false },

@@ -1187,6 +1187,17 @@ fn with_ids(mut m: OrderCreate, message_tag: &str) -> OrderCreate {
     m
 }
 
+/// Another reservation of `m`'s request (what Redis mints when it lost the first): new
+/// reservation and message ids, not expired.
+fn same_request(m: &OrderCreate, tag: &str) -> OrderCreate {
+    let mut again = m.clone();
+    again.reservation_id = format!("resv_{tag}");
+    again.message_key = format!("resv_{tag}");
+    again.message_id = format!("msg_{tag}");
+    again.reservation_expires_at_ms = now_ms() + 300_000;
+    again
+}
+
 /// Every outcome of DESIGN.md section 5, both allocators, through both paths: the same
 /// outcomes message by message and the same rows in every table.
 #[tokio::test]
@@ -1312,9 +1323,40 @@ async fn the_set_based_path_writes_what_the_per_message_path_writes() {
     let outcomes = pair.step("poisoned batch", &fourth, SetSide::WithFallback).await;
     assert_eq!(outcomes.iter().map(kind).collect::<Vec<_>>(), ["created", "failed", "created"]);
 
+    // Rule 2b (migration 0009): a buyer's request id recorded under another reservation —
+    // Redis lost the first and minted a second — makes the second a duplicate (no unit),
+    // across batches and within one, whatever became of the first (an order, an expiry).
+    const D: i64 = 4; // TOKEN, 5 units
+    pair.seed(ACTIVITY, D, 5, "TOKEN").await;
+    let q1 = m(D, 20, "q1");
+    let q2 = expired(m(D, 21, "q2"));
+    let fifth = vec![q1.clone(), q2.clone()];
+    let outcomes = pair.step("requests, first", &fifth, SetSide::SetOnly).await;
+    assert_eq!(outcomes.iter().map(kind).collect::<Vec<_>>(), ["created", "rejected"]);
+    let q3 = m(D, 22, "q3");
+    let q4 = expired(m(D, 23, "q4"));
+    let sixth = vec![
+        same_request(&q1, "q1b"),
+        same_request(&q2, "q2b"),
+        q3.clone(),
+        same_request(&q3, "q3b"),
+        q4.clone(),
+        same_request(&q4, "q4b"),
+        m(D, 24, "q5"),
+    ];
+    let outcomes = pair.step("requests, again", &sixth, SetSide::SetOnly).await;
+    let duplicate = WriteOutcome::Rejected { reason: RejectReason::DuplicateUser, claim_us: None };
+    for i in [0, 1, 3, 5] {
+        assert_eq!(outcomes[i], duplicate, "{i}: {outcomes:?}");
+    }
+    assert_eq!(kind(&outcomes[2]), "created");
+    assert_eq!(kind(&outcomes[6]), "created", "the units the duplicates did not take");
+
     pair.assert_same_rows().await;
     for db in [&pair.old, &pair.new] {
-        for (activity, sku) in [(ACTIVITY, T), (ACTIVITY, R), (ACTIVITY, L), (TERMINATED, T)] {
+        for (activity, sku) in
+            [(ACTIVITY, T), (ACTIVITY, R), (ACTIVITY, L), (ACTIVITY, D), (TERMINATED, T)]
+        {
             let report = flashsale_pg_worker::check_invariants(&db.client, activity, sku)
                 .await
                 .expect("invariants");
