@@ -651,6 +651,158 @@ local function top_up(keys, args)
   return { 'APPLIED', stock }
 end
 
+-- ---------------------------------------------------------------------------------------------
+-- restore: a SKU whose keys Redis lost (FLUSHALL, a node back empty, a master lost with its
+-- replica) rebuilt from PostgreSQL by one engine shard (engine/src/shard/rebuild.rs), in steps
+-- under one lock so that two instances never rebuild one SKU at once. Every step refuses (LIVE)
+-- once meta exists: a rebuild only ever writes into a SKU nobody can sell from, and meta is
+-- written last (FINISH), so reserve answers "no meta" until the rebuild is whole.
+--
+-- KEYS: 1 meta, 2 stock, 3 soldout, 4 rebuild (the lock), 5 resv:pending, 6 resv:stuck, then
+--       per mode:
+--   BEGIN        none
+--   WIPE         the SKU's other keys to delete (resv:, req:, user:, comp:)
+--   RESERVATION  7 user:<user_id>, 8 req:<user_id>:<request_id>, 9 resv:<reservation_id>
+--   FINISH       none
+-- ARGV: 1 mode, 2 token (the rebuilder's own), 3 lock_ttl_ms (every step that passes renews
+--       the lock for this long, so a long rebuild keeps it and a dead rebuilder's lapses
+--       soon), then per mode:
+--   BEGIN        4 stock (PostgreSQL's total stock: the replay of history takes the units back
+--                out)
+--   WIPE         none
+--   RESERVATION  4 request_id, 5 user_id, 6 payload_hash, 7 reservation_id, 8 message_id,
+--                9 reserved_at, 10 expires_at, 11 next_retry_at
+--   FINISH       4 status, 5 start_ms, 6 end_ms, 7 version, 8 reservation_ttl_ms
+-- Reply: [code, stock] (stock: the integer stock after the call, 0 when missing); code:
+--   LIVE     meta exists: the SKU is whole (nothing changed)
+--   BUSY     another token holds the lock (BEGIN), or this token lost it (others): nothing
+--            changed
+--   OK       BEGIN: lock taken, pending, stuck and soldout deleted, stock set;
+--            WIPE: the keys deleted; RESERVATION: the reservation written as `reserve` writes
+--            a CREATED one whose message the log acknowledged (req QUEUED, resv MESSAGE_SENT,
+--            in resv:pending at next_retry_at, one unit taken, the user marker claimed if
+--            free), so the outcomes PostgreSQL announced replay onto it through apply_results
+--            and compensate exactly as they did the first time; FINISH: a stock the replay
+--            left below zero set to 0 (a history in which Redis once sold units PostgreSQL
+--            did not have: those reservations were rejected without returning stock), soldout
+--            set when stock is 0, meta written, lock deleted.
+-- Invariants: nothing is written while meta exists; a write needs the lock; the stock after a
+-- whole rebuild is total - units still held, as reconcile counts it, and never negative.
+-- Complexity: O(1), WIPE O(keys).
+-- ---------------------------------------------------------------------------------------------
+local function restore_stock(keys)
+  return tonumber(redis.call('GET', keys[2])) or 0
+end
+
+local function restore_begin(keys, args)
+  if #args ~= 4 then return bad('arity') end
+  local stock = uint(args[4])
+  if not stock then return bad('stock') end
+  local held = redis.call('GET', keys[4])
+  if held and held ~= args[2] then return { 'BUSY', restore_stock(keys) } end
+  redis.call('SET', keys[4], args[2], 'PX', args[3])
+  redis.call('DEL', keys[3], keys[5], keys[6])
+  redis.call('SET', keys[2], args[4])
+  if stock <= 0 then redis.call('SET', keys[3], '1') end
+  return { 'OK', stock }
+end
+
+local function restore_reservation(keys, args)
+  if #keys ~= 9 or #args ~= 11 then return bad('arity') end
+  local request_id, user_id, payload_hash = args[4], args[5], args[6]
+  local reservation_id, message_id = args[7], args[8]
+  if not id_ok(request_id) then return bad('request_id') end
+  if not id_num(user_id) then return bad('user_id') end
+  if not id_ok(payload_hash) then return bad('payload_hash') end
+  if not id_ok(reservation_id) then return bad('reservation_id') end
+  if not id_ok(message_id) then return bad('message_id') end
+  for i = 9, 11 do
+    if not uint(args[i]) then return bad('time') end
+  end
+  local p = prefix_of(keys[1], 'meta')
+  if keys[7] ~= p .. 'user:' .. user_id or keys[8] ~= p .. 'req:' .. user_id .. ':' .. request_id
+      or keys[9] ~= p .. 'resv:' .. reservation_id then
+    return bad('keys')
+  end
+  redis.call('SET', keys[7], reservation_id, 'NX')
+  local stock_after = redis.call('DECR', keys[2])
+  if stock_after <= 0 then redis.call('SET', keys[3], '1') end
+  redis.call('HSET', keys[8], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
+    'message_id', message_id, 'state', 'QUEUED', 'order_id', '', 'reason_code', '',
+    'user_id', user_id)
+  redis.call('HSET', keys[9], 'reservation_id', reservation_id, 'message_id', message_id,
+    'request_id', request_id, 'user_id', user_id, 'status', 'MESSAGE_SENT',
+    'payload_hash', payload_hash, 'reserved_at', args[9], 'expires_at', args[10],
+    'send_attempts', '0', 'next_retry_at', args[11], 'last_error_code', '')
+  redis.call('ZADD', keys[5], args[11], reservation_id)
+  return { 'OK', stock_after }
+end
+
+local function restore_finish(keys, args)
+  if #keys ~= 6 or #args ~= 8 then return bad('arity') end
+  if not ACTIVITY_STATUS[args[4]] then return bad('status') end
+  for i = 5, 8 do
+    if not uint(args[i]) then return bad('meta') end
+  end
+  local stock = restore_stock(keys)
+  if stock < 0 then
+    stock = 0
+    redis.call('SET', keys[2], '0')
+  end
+  if stock == 0 then redis.call('SET', keys[3], '1') else redis.call('DEL', keys[3]) end
+  redis.call('HSET', keys[1], 'status', args[4], 'start_ms', args[5], 'end_ms', args[6],
+    'version', args[7], 'reservation_ttl_ms', args[8])
+  redis.call('DEL', keys[4])
+  return { 'OK', stock }
+end
+
+-- The keys WIPE deletes: every one a record key of this SKU (resv:, req:, user:, comp:), or
+-- nil when one is not.
+local function restore_wiped(keys, p)
+  local wipe = {}
+  for i = 7, #keys do
+    local k = keys[i]
+    if not (starts_with(k, p .. 'resv:') or starts_with(k, p .. 'req:')
+        or starts_with(k, p .. 'user:') or starts_with(k, p .. 'comp:')) then
+      return nil
+    end
+    wipe[#wipe + 1] = k
+  end
+  return wipe
+end
+
+local function restore(keys, args)
+  if #keys < 6 or #args < 3 then return bad('arity') end
+  local mode, token, ttl_ms = args[1], args[2], uint(args[3])
+  if not id_ok(token) then return bad('token') end
+  if not ttl_ms or ttl_ms < 1 then return bad('lock_ttl_ms') end
+  local p = prefix_of(keys[1], 'meta')
+  if not p or keys[2] ~= p .. 'stock' or keys[3] ~= p .. 'soldout' or keys[4] ~= p .. 'rebuild'
+      or keys[5] ~= p .. 'resv:pending' or keys[6] ~= p .. 'resv:stuck' then
+    return bad('keys')
+  end
+  local wipe
+  if mode == 'WIPE' then
+    if #args ~= 3 then return bad('arity') end
+    wipe = restore_wiped(keys, p)
+    if not wipe then return bad('keys') end
+  elseif mode == 'BEGIN' then
+    if #keys ~= 6 then return bad('arity') end
+  elseif mode ~= 'RESERVATION' and mode ~= 'FINISH' then
+    return bad('mode')
+  end
+  if redis.call('EXISTS', keys[1]) == 1 then return { 'LIVE', restore_stock(keys) } end
+  if mode == 'BEGIN' then return restore_begin(keys, args) end
+  if redis.call('GET', keys[4]) ~= token then return { 'BUSY', restore_stock(keys) } end
+  if mode == 'FINISH' then return restore_finish(keys, args) end
+  redis.call('PEXPIRE', keys[4], args[3])
+  if mode == 'WIPE' then
+    if #wipe > 0 then redis.call('DEL', unpack(wipe)) end
+    return { 'OK', restore_stock(keys) }
+  end
+  return restore_reservation(keys, args)
+end
+
 redis.register_function('reserve', reserve)
 redis.register_function('mark_sent', mark_sent)
 redis.register_function('claim_due', claim_due)
@@ -659,3 +811,4 @@ redis.register_function('apply_results', apply_results)
 redis.register_function('compensate', compensate)
 redis.register_function('preheat', preheat)
 redis.register_function('top_up', top_up)
+redis.register_function('restore', restore)

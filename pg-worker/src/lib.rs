@@ -26,7 +26,8 @@
 //! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7);
 //! - `activity_creation`, `lifecycle`, `sku`: what the admin plane asks of PostgreSQL
 //!   (activities created; SKUs added, ended, terminated, topped up; a SKU's config and its
-//!   sellable units); `reservation_lookup`: the query fallback.
+//!   sellable units); `reservation_lookup`: the query fallback; `redis_rebuild`: what a SKU
+//!   Redis lost is rebuilt from.
 //!
 //! What it is not: the edge (no Redis, no HTTP), nor the JetStream client (the
 //! `io` crate's `log`, which this crate drives).
@@ -56,6 +57,7 @@ pub mod plan;
 pub mod pool;
 pub mod provider;
 pub mod reconcile;
+pub mod redis_rebuild;
 pub mod reservation_lookup;
 pub mod set_writer;
 pub mod settle_expired;

@@ -1014,27 +1014,26 @@ mod tests {
     /// common), SKUs 2..=6 and 6 buyers; some expired.
     fn batch() -> impl Strategy<Value = Vec<OrderCreate>> {
         let spec = (0usize..12, 0usize..12, 2u64..=6, 0u64..6, any::<bool>(), 0u8..4);
-        proptest::collection::vec(spec, 1..24)
-            .prop_map(|specs| {
-                specs
-                    .into_iter()
-                    .map(|(msg, resv, sku, user, expired, shared_request)| {
-                        // A message id always carries the same body; the reservation id is
-                        // shared by design between some message ids, and a quarter of the
-                        // messages carry their buyer's one shared request id (step 2b).
-                        let resv = if resv % 3 == 0 { resv } else { msg };
-                        let mut m = message(&format!("{msg}"), sku, user);
-                        m.reservation_id = format!("resv_{resv}");
-                        if shared_request == 0 {
-                            m.request_id = format!("req_shared_{user}");
-                        }
-                        if expired && msg % 4 == 0 {
-                            m.reservation_expires_at_ms = NOW_MS;
-                        }
-                        m
-                    })
-                    .collect()
-            })
+        proptest::collection::vec(spec, 1..24).prop_map(|specs| {
+            specs
+                .into_iter()
+                .map(|(msg, resv, sku, user, expired, shared_request)| {
+                    // A message id always carries the same body; the reservation id is
+                    // shared by design between some message ids, and a quarter of the
+                    // messages carry their buyer's one shared request id (step 2b).
+                    let resv = if resv % 3 == 0 { resv } else { msg };
+                    let mut m = message(&format!("{msg}"), sku, user);
+                    m.reservation_id = format!("resv_{resv}");
+                    if shared_request == 0 {
+                        m.request_id = format!("req_shared_{user}");
+                    }
+                    if expired && msg % 4 == 0 {
+                        m.reservation_expires_at_ms = NOW_MS;
+                    }
+                    m
+                })
+                .collect()
+        })
     }
 
     proptest! {

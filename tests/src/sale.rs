@@ -87,6 +87,17 @@ impl Answers {
         entry.1.push(answer);
     }
 
+    /// Adds `other`'s answers (other buyers', or later ones of the same buyers), keeping the
+    /// timeline in time order.
+    pub fn merge(&mut self, other: Answers) {
+        for (user, (id, answers)) in other.by_buyer {
+            let entry = self.by_buyer.entry(user).or_insert_with(|| (id, Vec::new()));
+            entry.1.extend(answers);
+        }
+        self.timeline.extend(other.timeline);
+        self.timeline.sort_by_key(|(at, _)| *at);
+    }
+
     /// How many answers were exactly `answer`.
     pub fn count(&self, answer: &str) -> usize {
         self.by_buyer.values().flat_map(|(_, a)| a).filter(|a| a.as_str() == answer).count()

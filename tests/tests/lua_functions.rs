@@ -17,7 +17,8 @@ use flashsale_io::redis::script::{
     load_library, ActivityInvalidReason, ApplyResultArgs, ApplyResultReply, ClaimDueArgs,
     ClaimDueReply, CompensateArgs, CompensateReply, FinalOutcome, Functions, MarkSent,
     MarkSentArgs, MarkSentReply, PreheatArgs, PreheatReply, RequestState, ReserveArgs,
-    ReserveReply, ScriptError, SkuKeys, TopUpArgs, TopUpReply, MARK_SENT_MAX,
+    ReserveReply, RestoreLock, RestoreMeta, RestoreReply, RestoreReservation, RestoreStep,
+    ScriptError, SkuKeys, TopUpArgs, TopUpReply, MARK_SENT_MAX,
 };
 use flashsale_io::redis::{RedisClient, RedisConfig};
 use flashsale_io::resp::Reply;
@@ -1321,5 +1322,157 @@ fn function_not_found_reloads_and_resends_once() {
         // load_library on its own is idempotent (REPLACE).
         load_library(f.client()).await.unwrap();
         load_library(f.client()).await.unwrap();
+    });
+}
+
+// ---- restore ---------------------------------------------------------------------------------
+
+const LOCK_TTL_MS: u64 = 30_000;
+
+fn lock(token: &str) -> RestoreLock<'_> {
+    RestoreLock { token, ttl_ms: LOCK_TTL_MS }
+}
+
+async fn restore(f: &Functions, token: &str, step: RestoreStep<'_>) -> RestoreReply {
+    f.restore(&keys(), lock(token), &step).await.expect("restore")
+}
+
+async fn restore_reservation(f: &Functions, token: &str, n: u64, user_id: u64) -> RestoreReply {
+    let ids = ids(n);
+    let step = RestoreStep::Reservation(RestoreReservation {
+        request_id: &ids.request_id,
+        user_id,
+        payload_hash: "h1",
+        reservation_id: &ids.reservation_id,
+        message_id: &ids.message_id,
+        reserved_at_ms: T0 + n,
+        expires_at_ms: T0 + n + TTL_MS,
+        next_retry_at_ms: T0 + 9_000,
+    });
+    restore(f, token, step).await
+}
+
+fn meta() -> RestoreMeta {
+    RestoreMeta {
+        status: ActivityStatus::Active,
+        start_ms: T0,
+        end_ms: T0 + WINDOW_MS,
+        version: 3,
+        reservation_ttl_ms: TTL_MS,
+    }
+}
+
+/// The rebuild's steps under one lock: BEGIN takes it (another token is BUSY), a reservation is
+/// written as `reserve` writes a CREATED one whose message the log acknowledged, every step
+/// renews the lock, FINISH writes meta and lets go, and a SKU with meta is LIVE to every step.
+#[test]
+fn restore_rebuilds_a_lost_sku_under_one_lock_and_never_touches_a_live_one() {
+    with_redis(|f| async move {
+        // Left over from the lost SKU: a pending entry, a stuck one, a sold-out flag.
+        cmd(&f, &["ZADD", &key("resv:pending"), "1", "resv_old"]).await;
+        cmd(&f, &["ZADD", &key("resv:stuck"), "1", "resv_old"]).await;
+        cmd(&f, &["SET", &key("soldout"), "1"]).await;
+        assert_eq!(
+            restore(&f, "a", RestoreStep::Begin { stock: 3 }).await,
+            RestoreReply::Ok { stock: 3 }
+        );
+        assert_eq!(get(&f, &key("rebuild")).await.as_deref(), Some("a"));
+        assert_eq!(
+            (zcard(&f, &key("resv:pending")).await, zcard(&f, &key("resv:stuck")).await),
+            (0, 0)
+        );
+        assert!(!exists(&f, &key("soldout")).await);
+        // Another rebuilder is BUSY at every step and changes nothing.
+        assert_eq!(restore(&f, "b", RestoreStep::Begin { stock: 9 }).await, RestoreReply::Busy);
+        assert_eq!(restore_reservation(&f, "b", 1, 7).await, RestoreReply::Busy);
+        assert_eq!(restore(&f, "b", RestoreStep::Finish(meta())).await, RestoreReply::Busy);
+        assert_eq!(stock(&f).await, Some(3));
+        assert!(!exists(&f, &key("meta")).await);
+
+        // A reservation, as reserve wrote it and the log acknowledged it.
+        cmd(&f, &["PEXPIRE", &key("rebuild"), "1000"]).await;
+        assert_eq!(restore_reservation(&f, "a", 1, 7).await, RestoreReply::Ok { stock: 2 });
+        let ttl = cmd(&f, &["PTTL", &key("rebuild")]).await.as_int().unwrap();
+        assert!(ttl > 1_000 && ttl <= LOCK_TTL_MS as i64, "the step renewed the lock: {ttl}");
+        assert_eq!(get(&f, &key("user:7")).await.as_deref(), Some("resv_1"));
+        assert_eq!(
+            hgetall(&f, &key("req:7:req_1")).await,
+            map(&[
+                ("payload_hash", "h1"),
+                ("reservation_id", "resv_1"),
+                ("message_id", "msg_1"),
+                ("state", "QUEUED"),
+                ("order_id", ""),
+                ("reason_code", ""),
+                ("user_id", "7"),
+            ])
+        );
+        let resv = hgetall(&f, &key("resv:resv_1")).await;
+        assert_eq!(resv["status"], "MESSAGE_SENT");
+        assert_eq!(resv["request_id"], "req_1");
+        assert_eq!(resv["expires_at"], (T0 + 1 + TTL_MS).to_string());
+        assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(T0 + 9_000));
+        // The same buyer's second reservation takes a unit but not the marker (first wins).
+        assert_eq!(restore_reservation(&f, "a", 2, 7).await, RestoreReply::Ok { stock: 1 });
+        assert_eq!(get(&f, &key("user:7")).await.as_deref(), Some("resv_1"));
+        assert!(!exists(&f, &key("meta")).await, "nobody can reserve from a half-built SKU");
+
+        assert_eq!(
+            restore(&f, "a", RestoreStep::Finish(meta())).await,
+            RestoreReply::Ok { stock: 1 }
+        );
+        assert_eq!(hgetall(&f, &key("meta")).await["version"], "3");
+        assert!(!exists(&f, &key("rebuild")).await, "the lock is let go");
+        assert!(!exists(&f, &key("soldout")).await);
+        // Whole again: every step is LIVE and writes nothing.
+        assert_eq!(restore(&f, "c", RestoreStep::Begin { stock: 50 }).await, RestoreReply::Live);
+        assert_eq!(restore_reservation(&f, "a", 3, 8).await, RestoreReply::Live);
+        assert_eq!(stock(&f).await, Some(1));
+        assert!(!exists(&f, &key("user:8")).await);
+        // And the rebuilt SKU answers like the one it replaces.
+        let replay = reserve_as(&f, &ids(1), 7, "h1", T0 + 10).await;
+        assert!(matches!(replay, ReserveReply::Idempotent { .. }), "{replay:?}");
+    });
+}
+
+/// WIPE deletes the SKU's record keys and nothing else; FINISH never leaves a negative stock.
+#[test]
+fn restore_wipes_only_record_keys_and_finishes_at_zero_stock_at_least() {
+    with_redis(|f| async move {
+        assert_eq!(
+            restore(&f, "a", RestoreStep::Begin { stock: 1 }).await,
+            RestoreReply::Ok { stock: 1 }
+        );
+        for k in ["resv:resv_9", "req:7:req_9", "user:7", "comp:resv_9"] {
+            cmd(&f, &["SET", &key(k), "x"]).await;
+        }
+        let wiped: Vec<String> =
+            ["resv:resv_9", "req:7:req_9", "user:7", "comp:resv_9"].map(key).to_vec();
+        assert_eq!(
+            restore(&f, "a", RestoreStep::Wipe { keys: &wiped }).await,
+            RestoreReply::Ok { stock: 1 }
+        );
+        for k in &wiped {
+            assert!(!exists(&f, k).await, "{k} wiped");
+        }
+        // Anything but a record key of this SKU refuses the whole call.
+        for stranger in [key("stock"), key("meta"), "seckill:{1:2}:user:7".to_owned()] {
+            let wipe = RestoreStep::Wipe { keys: std::slice::from_ref(&stranger) };
+            let refused = f.restore(&keys(), lock("a"), &wipe).await;
+            assert!(matches!(refused, Err(ScriptError::Refused(_))), "{stranger}: {refused:?}");
+        }
+        assert_eq!(stock(&f).await, Some(1));
+        // A history that took more units than the total (a past loss re-preheated the SKU)
+        // ends at 0 and sold out, never negative.
+        for n in 1..=3 {
+            restore_reservation(&f, "a", n, 10 + n).await;
+        }
+        assert_eq!(stock(&f).await, Some(-2));
+        assert_eq!(
+            restore(&f, "a", RestoreStep::Finish(meta())).await,
+            RestoreReply::Ok { stock: 0 }
+        );
+        assert_eq!(stock(&f).await, Some(0));
+        assert!(exists(&f, &key("soldout")).await);
     });
 }

@@ -25,12 +25,25 @@ const FETCH_WAIT: Duration = Duration::from_millis(500);
 const APPLY_WAIT: Duration = Duration::from_secs(5);
 /// Redelivery delay after a failed apply.
 const NAK_DELAY: Duration = Duration::from_millis(500);
+/// Redelivery delay of an event whose SKU is being rebuilt from PostgreSQL: with the
+/// consumer's `max_deliver` (20 by default) an event can wait ~100 s this way, more than a
+/// rebuild waits for the order log to drain (`shard/rebuild.rs`, `DRAIN_WAIT_MAX_MS`).
+const HELD_NAK_DELAY: Duration = Duration::from_secs(5);
 
 /// Events on their way to their owner shard, answered together: one result per event, in
 /// order.
 pub struct SyncRequest {
     pub events: Vec<ReservationEvent>,
-    pub reply: oneshot::Sender<Vec<Result<(), String>>>,
+    pub reply: oneshot::Sender<Vec<Result<(), NotApplied>>>,
+}
+
+/// Why an event was not applied; its delivery is NAKed either way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotApplied {
+    /// Redis refused it or did not answer: redelivered soon.
+    Failed(String),
+    /// Its SKU's keys were lost and are not rebuilt yet: redelivered after a longer pause.
+    Held,
 }
 
 /// Where events go: the partition table and one bounded queue per shard; and where the
@@ -118,13 +131,13 @@ async fn apply_on(shard: &mpsc::Sender<SyncRequest>, batch: Vec<(Delivery, Reser
         _ => Vec::new(),
     };
     let settled = deliveries.into_iter().enumerate().map(|(i, delivery)| {
-        let applied = matches!(results.get(i), Some(Ok(())));
+        let result = results.get(i).cloned();
         async move {
-            if applied {
-                let _ = delivery.ack().await;
-            } else {
-                let _ = delivery.nak(NAK_DELAY).await;
-            }
+            let _ = match result {
+                Some(Ok(())) => delivery.ack().await,
+                Some(Err(NotApplied::Held)) => delivery.nak(HELD_NAK_DELAY).await,
+                _ => delivery.nak(NAK_DELAY).await,
+            };
         }
     });
     futures::future::join_all(settled).await;

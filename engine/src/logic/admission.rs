@@ -215,7 +215,7 @@ const _: () = assert!(
 
 /// Every `reason` a rejection can carry (the closed label set of
 /// `flashsale_admission_rejections_total`).
-pub const REJECT_REASONS: [&str; 15] = [
+pub const REJECT_REASONS: [&str; 16] = [
     "MODE_QUERY_ONLY",
     "MODE_SUBMIT_CLOSED",
     "MODE_EXPIRED",
@@ -231,6 +231,8 @@ pub const REJECT_REASONS: [&str; 15] = [
     "IN_FLIGHT",
     // Not decide_submit's: the owner's partition closes a SKU whose Redis node failed over.
     "REDIS_FAILOVER",
+    // Not decide_submit's: the owner's partition closes a SKU whose Redis keys were lost.
+    "REDIS_DATA_LOST",
     // Not decide_submit's: the expensive path's adaptive limit (`overload.rs`).
     "ADAPTIVE_LIMIT",
 ];

@@ -69,6 +69,12 @@ pub struct ShardMetrics {
     /// by one right now (a gauge).
     pub redis_failovers: AtomicU64,
     pub skus_closed_by_failover: AtomicU64,
+    /// SKUs whose Redis keys were found lost; SKUs rebuilt from PostgreSQL after it, and the
+    /// reservations those rebuilds could not prove (final in PostgreSQL with no event to
+    /// replay, or an event that does not decode).
+    pub redis_data_losses: AtomicU64,
+    pub redis_rebuilds: AtomicU64,
+    pub redis_rebuild_anomalies: AtomicU64,
     /// Forwards refused because the mesh queue was full.
     pub mesh_full: AtomicU64,
     pub publish_ok: AtomicU64,
@@ -185,7 +191,7 @@ impl EdgeMetrics {
 
     /// The unlabelled counters and gauges, each summed over the shards.
     fn render_counters(&self, out: &mut String) {
-        let counters: [(&str, Field); 16] = [
+        let counters: [(&str, Field); 19] = [
             ("flashsale_republished_total", |s| &s.republished),
             ("flashsale_stuck_reservations_total", |s| &s.stuck_reservations),
             ("flashsale_sold_out_fast_path_total", |s| &s.sold_out_fast_path),
@@ -203,6 +209,9 @@ impl EdgeMetrics {
             ("flashsale_payment_callback_bad_signature_total", |s| &s.callback_bad_signature),
             ("flashsale_redis_failovers_total", |s| &s.redis_failovers),
             ("flashsale_skus_closed_by_failover", |s| &s.skus_closed_by_failover),
+            ("flashsale_redis_data_losses_total", |s| &s.redis_data_losses),
+            ("flashsale_redis_rebuilds_total", |s| &s.redis_rebuilds),
+            ("flashsale_redis_rebuild_anomalies_total", |s| &s.redis_rebuild_anomalies),
             ("flashsale_reservations_pending", |s| &s.reservations_pending),
         ];
         for (name, field) in counters {

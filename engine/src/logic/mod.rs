@@ -23,6 +23,7 @@ pub mod outcome;
 pub mod overload;
 pub mod partition;
 pub mod placement;
+pub mod rebuild;
 pub mod reconcile;
 pub mod redis_settings;
 pub mod submit;

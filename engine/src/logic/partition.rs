@@ -158,9 +158,12 @@ pub enum SubmitPlan {
     /// The activity is certainly over.
     NotActive,
     SoldOut,
-    /// The Redis node serving this SKU failed over and the SKU is not reconciled yet
-    /// (`SUBMIT_CLOSED`, reason `REDIS_FAILOVER`).
-    RedisFailover,
+    /// The Redis node serving this SKU failed over, or lost the SKU's keys, and the SKU is
+    /// not rebuilt and reconciled yet (`SUBMIT_CLOSED`, reason `REDIS_FAILOVER` or, when the
+    /// keys were seen gone, `REDIS_DATA_LOST`).
+    RedisFailover {
+        data_lost: bool,
+    },
     /// The per-SKU admission bound is full; answer `OVERLOADED` with this Retry-After.
     Overloaded {
         retry_after_ms: u32,
@@ -218,6 +221,17 @@ pub struct SkuPartition {
     stock_checked_ms: u64,
     /// When a failover of its Redis node was seen; cleared by a passing reconcile.
     failover_since_ms: Option<u64>,
+    /// The closure began with the SKU's keys seen gone (meta missing for a SKU we knew).
+    data_lost: bool,
+    /// A `reserve` answer proved Redis held the SKU's `meta` (see `knew_meta`).
+    meta_seen: bool,
+    /// `reserve` found no `meta` while the owner did not know the SKU: unknown to Redis, or
+    /// lost before the owner ever read it. The failover task asks PostgreSQL (`suspects`).
+    meta_missing: bool,
+    /// redis-sync's events for the SKU are held back (NAKed) from the loss until its `meta` is
+    /// back (rebuilt here or by another instance): an event applied to a half-rebuilt SKU
+    /// could be wiped or overwritten by the rebuild's replay.
+    events_held: bool,
     /// See the module documentation: false from the flip to sold out until the load of the
     /// SKU's request records is merged.
     replays_complete: bool,
@@ -242,6 +256,10 @@ impl SkuPartition {
             bucket_refilled_ms: now_ms,
             stock_checked_ms: now_ms,
             failover_since_ms: None,
+            data_lost: false,
+            meta_seen: false,
+            meta_missing: false,
+            events_held: false,
             replays_complete: false,
             replays_loading: false,
             #[cfg(test)]
@@ -296,7 +314,7 @@ impl SkuPartition {
             return SubmitPlan::NotActive;
         }
         if self.failover_since_ms.is_some() {
-            return SubmitPlan::RedisFailover;
+            return SubmitPlan::RedisFailover { data_lost: self.data_lost };
         }
         if self.sold_out && self.replays_complete {
             return SubmitPlan::SoldOut;
@@ -422,9 +440,57 @@ impl SkuPartition {
         self.failover_since_ms.get_or_insert(now_ms);
     }
 
+    /// Its keys are gone from Redis (meta missing for a SKU whose activity we knew): closed
+    /// like a failover until rebuilt from PostgreSQL and reconciled.
+    /// True when this call marked it (it was not marked lost already).
+    pub fn mark_data_lost(&mut self, now_ms: u64) -> bool {
+        let newly = !self.data_lost;
+        self.mark_failover(now_ms);
+        self.data_lost = true;
+        self.events_held = true;
+        newly
+    }
+
+    /// Its `meta` is back (the rebuild finished, here or on another instance): redis-sync's
+    /// events apply again; still closed until a reconcile passes.
+    pub fn release_events(&mut self) {
+        self.events_held = false;
+    }
+
     /// A reconcile passed (or an operator forced it): reservations again.
     pub fn clear_failover(&mut self) {
         self.failover_since_ms = None;
+        self.data_lost = false;
+        self.events_held = false;
+    }
+
+    pub fn data_lost(&self) -> bool {
+        self.data_lost
+    }
+
+    pub fn holds_events(&self) -> bool {
+        self.events_held
+    }
+
+    /// A `reserve` answer read the SKU's `meta`.
+    pub fn saw_meta(&mut self) {
+        self.meta_seen = true;
+    }
+
+    /// `reserve` found no `meta` for a SKU the owner did not know (see `meta_missing`).
+    pub fn saw_meta_missing(&mut self) {
+        self.meta_missing = true;
+    }
+
+    /// Whether `reserve` found no `meta` since the last call; clears it.
+    pub fn take_meta_missing(&mut self) -> bool {
+        std::mem::take(&mut self.meta_missing)
+    }
+
+    /// Whether Redis held the SKU's `meta` once (an activity snapshot read from it, or a
+    /// `reserve` answer that read it): a missing `meta` is then a loss.
+    pub fn knew_meta(&self) -> bool {
+        self.meta_seen || self.activity().is_some()
     }
 
     pub fn failover_since_ms(&self) -> Option<u64> {

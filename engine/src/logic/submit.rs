@@ -169,6 +169,9 @@ pub enum ReserveResult {
         reservation_id: String,
     },
     ActivityInvalid,
+    /// The SKU has no `meta` in Redis: unknown to Redis, or its keys lost (`finish` tells the
+    /// two apart by what the owner knew of the activity).
+    MetaMissing,
     IdempotencyConflict,
     /// The library refused an argument (bad input, or a bound the edge and the library
     /// disagree on): nothing was reserved, and the node answered — it is healthy.
@@ -179,6 +182,20 @@ pub enum ReserveResult {
     Unknown,
 }
 
+impl ReserveResult {
+    /// Whether Redis held the SKU's `meta` when it answered (`reserve` reads it before these
+    /// answers; `IDEMPOTENT` and `IDEMPOTENCY_CONFLICT` come before it).
+    fn proves_meta(&self) -> bool {
+        matches!(
+            self,
+            ReserveResult::Created { .. }
+                | ReserveResult::SoldOut
+                | ReserveResult::DuplicateUser { .. }
+                | ReserveResult::ActivityInvalid
+        )
+    }
+}
+
 /// `reason_code` of an `INVALID` answer for a value the store refused (`ReserveResult::Refused`).
 pub const ARGUMENT_REFUSED: &str = "ARGUMENT_REFUSED";
 
@@ -187,6 +204,10 @@ pub const ADAPTIVE_LIMIT: &str = "ADAPTIVE_LIMIT";
 
 /// `reason_code` of a SKU closed by a Redis failover (`REJECT_REASONS`).
 pub const REDIS_FAILOVER: &str = "REDIS_FAILOVER";
+
+/// `reason_code` of a SKU closed because Redis lost its keys (`REJECT_REASONS`): closed until
+/// rebuilt from PostgreSQL and reconciled (`shard/failover.rs`).
+pub const REDIS_DATA_LOST: &str = "REDIS_DATA_LOST";
 
 /// The key used for SKUs without local state: one shared admission bucket per shard.
 const UNTRACKED: SkuKey = SkuKey { activity_id: 0, sku_id: 0 };
@@ -240,6 +261,9 @@ pub struct Finish {
     pub redis_circuit: CircuitState,
     /// Owed to [`OwnerState::path_done`] when the answer is final (after the publish).
     pub path: PathPermit,
+    /// This call found the SKU's keys lost (Redis had no `meta` for a SKU whose activity the
+    /// owner knew) and closed it (`REDIS_DATA_LOST`): the caller reports it once.
+    pub data_lost: bool,
 }
 
 /// Everything the owner shard decides submissions with, behind one borrow.
@@ -432,8 +456,14 @@ impl OwnerState {
             _ => CallOutcome::Success,
         };
         self.circuit(node).record(circuit_call, health, now_ms);
-        let (seen, answer, publish) =
-            classify(&result, request, reservation_id.as_str(), message_id.as_str(), self.limits);
+        let missing = result == ReserveResult::MetaMissing && tracked;
+        let lost = missing && self.knew_activity(key);
+        let (seen, answer, publish) = if lost {
+            let retry_ms = self.limits.budgets.dependency_retry_ms;
+            (ReserveSeen::Other, closed_for(REDIS_DATA_LOST, retry_ms), None)
+        } else {
+            classify(&result, request, reservation_id.as_str(), message_id.as_str(), self.limits)
+        };
         let publish = publish.map(|expires_at_ms| {
             let facts = ReservationFacts {
                 message_id: message_id.as_str(),
@@ -455,8 +485,14 @@ impl OwnerState {
         let partition = self.partitions.get_mut(&key).unwrap_or_else(|| missing_partition(key));
         let replica =
             partition.on_reserve(permit, request.user_id.0, seen, &mut self.accepted_budget);
+        if result.proves_meta() {
+            partition.saw_meta();
+        } else if missing && !lost {
+            partition.saw_meta_missing();
+        }
+        let data_lost = lost && partition.mark_data_lost(now_ms);
         let redis_circuit = self.redis_circuit(now_ms);
-        Finish { answer, replica, publish, redis_circuit, path }
+        Finish { answer, replica, publish, redis_circuit, path, data_lost }
     }
 
     /// Step 4 (module documentation): the log acknowledged (`Acked`) the message of the
@@ -519,6 +555,45 @@ impl OwnerState {
     pub fn mark_failover(&mut self, key: SkuKey, now_ms: u64) {
         if let (partition, true) = self.partition(key, now_ms) {
             partition.mark_failover(now_ms);
+        }
+    }
+
+    /// The SKU's keys are lost (no `meta` in Redis for a SKU on sale): closed until rebuilt
+    /// from PostgreSQL and reconciled. True when this call marked it.
+    pub fn mark_data_lost(&mut self, key: SkuKey, now_ms: u64) -> bool {
+        match self.partition(key, now_ms) {
+            (partition, true) => partition.mark_data_lost(now_ms),
+            (_, false) => false,
+        }
+    }
+
+    /// Whether the owner knew the SKU's `meta` (from a refresh, or a `reserve` answer that
+    /// read it): then a missing `meta` is a loss, not a SKU Redis never had.
+    pub fn knew_activity(&self, key: SkuKey) -> bool {
+        key != UNTRACKED && self.partitions.get(&key).is_some_and(SkuPartition::knew_meta)
+    }
+
+    /// Whether the SKU's closure began with its keys seen gone.
+    pub fn data_lost(&self, key: SkuKey) -> bool {
+        self.partitions.get(&key).is_some_and(SkuPartition::data_lost)
+    }
+
+    /// The SKUs whose `reserve` found no `meta` while the owner did not know them, since the
+    /// last call (cleared): the failover task asks PostgreSQL whether they are on sale.
+    pub fn suspects(&mut self) -> Vec<SkuKey> {
+        let marked = self.partitions.iter_mut().filter(|(k, _)| **k != UNTRACKED);
+        marked.filter_map(|(k, p)| p.take_meta_missing().then_some(*k)).collect()
+    }
+
+    /// Whether redis-sync's events for the SKU are held back (lost, not rebuilt yet).
+    pub fn holds_events(&self, key: SkuKey) -> bool {
+        key != UNTRACKED && self.partitions.get(&key).is_some_and(SkuPartition::holds_events)
+    }
+
+    /// The SKU's `meta` is back: its events apply again (`SkuPartition::release_events`).
+    pub fn release_events(&mut self, key: SkuKey) {
+        if let Some(partition) = self.own_partition(key) {
+            partition.release_events();
         }
     }
 
@@ -592,7 +667,7 @@ fn plan_answer(plan: SubmitPlan) -> SubmitAnswer {
         SubmitPlan::Overloaded { retry_after_ms } => {
             SubmitAnswer::retry(SubmitOutcome::Overloaded, u64::from(retry_after_ms))
         }
-        SubmitPlan::CallRedis(_) | SubmitPlan::RedisFailover => {
+        SubmitPlan::CallRedis(_) | SubmitPlan::RedisFailover { .. } => {
             unreachable!("the caller answers CallRedis and RedisFailover itself")
         }
     }
@@ -636,14 +711,19 @@ fn plan_permit(
     );
     match plan {
         SubmitPlan::CallRedis(permit) => Ok(permit),
-        SubmitPlan::RedisFailover => {
-            let answer = SubmitAnswer {
-                reason_code: Some(Cow::Borrowed(REDIS_FAILOVER)),
-                ..SubmitAnswer::retry(SubmitOutcome::SubmitClosed, failover_retry_ms)
-            };
-            Err((answer, Some(REDIS_FAILOVER)))
+        SubmitPlan::RedisFailover { data_lost } => {
+            let reason = if data_lost { REDIS_DATA_LOST } else { REDIS_FAILOVER };
+            Err((closed_for(reason, failover_retry_ms), Some(reason)))
         }
         plan => Err((plan_answer(plan), None)),
+    }
+}
+
+/// `SUBMIT_CLOSED` with `reason`, retry after `retry_ms`: nothing was reserved.
+fn closed_for(reason: &'static str, retry_ms: u64) -> SubmitAnswer {
+    SubmitAnswer {
+        reason_code: Some(Cow::Borrowed(reason)),
+        ..SubmitAnswer::retry(SubmitOutcome::SubmitClosed, retry_ms)
     }
 }
 
@@ -701,7 +781,7 @@ fn classify(
             );
             (ReserveSeen::Other, answer, None)
         }
-        ReserveResult::ActivityInvalid => {
+        ReserveResult::ActivityInvalid | ReserveResult::MetaMissing => {
             (ReserveSeen::Other, SubmitAnswer::of(SubmitOutcome::ActivityNotActive), None)
         }
         ReserveResult::IdempotencyConflict => {
@@ -819,6 +899,55 @@ mod tests {
             }
             other => panic!("expected a replay, got {other:?}"),
         }
+        assert_eq!(owner.in_flight(), 0);
+    }
+
+    /// A SKU whose `meta` Redis no longer has: unknown to the owner it is `ACTIVITY_NOT_ACTIVE`
+    /// and a suspect for PostgreSQL; known (a `reserve` answer read its meta) it is lost —
+    /// closed with its own reason, once, its events held until `meta` is back.
+    #[test]
+    fn a_sku_whose_meta_vanished_is_closed_as_lost_once_the_owner_knew_it() {
+        let mut owner = OwnerState::new(limits(), [5; 32]);
+        let h = hash(3);
+        let key = SkuKey::new(1, 2);
+        let r = request(2, "req_1", &h);
+        let c = call(owner.begin(&r, None, &outside(false, NOW), NOW));
+        let unknown = owner.finish(c, &r, ReserveResult::MetaMissing, NOW);
+        assert_eq!(unknown.answer.outcome, SubmitOutcome::ActivityNotActive);
+        assert!(!unknown.data_lost);
+        owner.path_done(unknown.path, 10);
+        assert_eq!(owner.suspects(), [key], "asked of PostgreSQL");
+        assert_eq!(owner.suspects(), [], "once");
+
+        let c = call(owner.begin(&r, None, &outside(false, NOW), NOW));
+        let finish = owner.finish(c, &r, ReserveResult::SoldOut, NOW);
+        owner.path_done(finish.path, 10);
+        assert!(owner.knew_activity(key), "SOLD_OUT is read after meta");
+        let r2 = request(2, "req_2", &h);
+        let c = call(owner.begin(&r2, None, &outside(false, NOW), NOW));
+        let lost = owner.finish(c, &r2, ReserveResult::MetaMissing, NOW);
+        owner.path_done(lost.path, 10);
+        assert!(lost.data_lost, "reported once");
+        assert_eq!(lost.answer.outcome, SubmitOutcome::SubmitClosed);
+        assert_eq!(lost.answer.reason_code.as_deref(), Some(REDIS_DATA_LOST));
+        assert!(owner.holds_events(key));
+        assert!(!owner.mark_data_lost(key, NOW + 1), "already marked");
+        assert_eq!(owner.failed_over(), [(key, NOW)]);
+        // Closed: answered without a call, with the same reason.
+        match owner.begin(&request(2, "req_3", &h), None, &outside(false, NOW), NOW) {
+            Begin::Answer { answer, admission_reject } => {
+                assert_eq!(answer.reason_code.as_deref(), Some(REDIS_DATA_LOST));
+                assert_eq!(admission_reject, Some(REDIS_DATA_LOST));
+            }
+            other => panic!("expected SUBMIT_CLOSED, got {other:?}"),
+        }
+        // Meta back: events apply again, still closed until a reconcile passes.
+        owner.release_events(key);
+        assert!(!owner.holds_events(key));
+        assert_eq!(owner.failed_over(), [(key, NOW)]);
+        owner.clear_failover(key);
+        assert_eq!(owner.failed_over(), []);
+        assert!(!owner.data_lost(key));
         assert_eq!(owner.in_flight(), 0);
     }
 

@@ -30,6 +30,7 @@ pub mod mesh;
 pub mod orders;
 pub mod publish;
 pub mod query;
+pub mod rebuild;
 pub mod reconcile;
 pub mod refresh;
 pub mod replays;

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use crate::logic::clock::now_ms;
 use crate::logic::partition::ActivitySnapshot;
+use crate::logic::placement::SkuKey;
 
 use super::state::Shard;
 
@@ -51,8 +52,16 @@ async fn refresh_activities(shard: &Shard) {
     let tracked = shard.owner.borrow().tracked_skus();
     for key in tracked {
         let keys = shard.store.sku_keys(key);
-        // No meta (yet) or a failed read: Redis answers per request meanwhile.
-        let Ok(Some(meta)) = shard.store.functions.read_meta(&keys).await else { continue };
+        // No meta (yet) or a failed read: Redis answers per request meanwhile — unless the
+        // SKU had meta before: then its keys are lost (`failover.rs` rebuilds it).
+        let meta = match shard.store.functions.read_meta(&keys).await {
+            Ok(Some(meta)) => meta,
+            Ok(None) => {
+                closed_if_lost(shard, key);
+                continue;
+            }
+            Err(_) => continue,
+        };
         let snapshot = ActivitySnapshot {
             status: meta.status,
             start_ms: meta.start_ms,
@@ -60,6 +69,14 @@ async fn refresh_activities(shard: &Shard) {
             version: meta.version,
         };
         shard.owner.borrow_mut().set_activity(key, snapshot);
+    }
+}
+
+/// A SKU whose activity the owner knew and whose `meta` is gone lost its keys (a FLUSHALL keeps
+/// the node's run id, so the failover watch cannot see it): closed until rebuilt.
+fn closed_if_lost(shard: &Shard, key: SkuKey) {
+    if shard.owner.borrow().knew_activity(key) {
+        super::failover::data_lost(shard, key, "the activity refresh found no meta");
     }
 }
 

@@ -16,7 +16,9 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bytes::BytesMut;
-use flashsale_io::redis::script::{ReserveArgs, ReserveReply, ScriptError, SkuKeys};
+use flashsale_io::redis::script::{
+    ActivityInvalidReason, ReserveArgs, ReserveReply, ScriptError, SkuKeys,
+};
 use futures::channel::oneshot;
 
 use super::limiters::Limiters;
@@ -272,6 +274,15 @@ async fn expensive_path(
     let reply = deps.store.functions.reserve(keys, &args).await;
     deps.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
     let finish = deps.owner.borrow_mut().finish(call, s, reserve_result(reply), now);
+    if finish.data_lost {
+        deps.metrics().redis_data_losses.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            activity_id = s.key.activity_id,
+            sku_id = s.key.sku_id,
+            "redis data lost: reserve found no meta for a SKU on sale; closed until rebuilt \
+            from PostgreSQL and reconciled"
+        );
+    }
     let circuit = u64::from(finish.redis_circuit.metric_value());
     deps.metrics().redis_circuit.store(circuit, Ordering::Relaxed);
     if let Some(update) = finish.replica {
@@ -315,6 +326,9 @@ fn reserve_result(reply: Result<ReserveReply, ScriptError>) -> ReserveResult {
         Ok(ReserveReply::SoldOut) => ReserveResult::SoldOut,
         Ok(ReserveReply::DuplicateUser { reservation_id }) => {
             ReserveResult::DuplicateUser { reservation_id }
+        }
+        Ok(ReserveReply::ActivityInvalid { reason: ActivityInvalidReason::Unknown }) => {
+            ReserveResult::MetaMissing
         }
         Ok(ReserveReply::ActivityInvalid { .. }) => ReserveResult::ActivityInvalid,
         Ok(ReserveReply::IdempotencyConflict) => ReserveResult::IdempotencyConflict,

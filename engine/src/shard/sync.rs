@@ -21,7 +21,7 @@ use flashsale_io::wire::{Compensation, EventAction, ReservationEvent, ORDER_CANC
 use tokio::sync::mpsc;
 
 use super::state::Shard;
-use crate::durable::sync::SyncRequest;
+use crate::durable::sync::{NotApplied, SyncRequest};
 use crate::durable::DurableRequest;
 use crate::logic::clock::now_ms;
 use crate::logic::placement::SkuKey;
@@ -194,12 +194,40 @@ pub fn spawn_receiver(shard: &Rc<Shard>, mut rx: mpsc::Receiver<SyncRequest>) {
         while let Some(request) = rx.recv().await {
             let shard = Rc::clone(&shard);
             glommio::spawn_local(async move {
-                let _ = request.reply.send(apply_all(&shard, &request.events).await);
+                let _ = request.reply.send(apply_unless_held(&shard, request.events).await);
             })
             .detach();
         }
     })
     .detach();
+}
+
+/// [`apply_all`] for the events whose SKU is not held; the others answer
+/// [`NotApplied::Held`]: their SKU lost its keys and is not rebuilt yet (`rebuild.rs` replays
+/// what PostgreSQL committed; an event applied meanwhile could be wiped or overwritten).
+async fn apply_unless_held(
+    shard: &Shard,
+    events: Vec<ReservationEvent>,
+) -> Vec<Result<(), NotApplied>> {
+    let held: Vec<bool> = {
+        let owner = shard.owner.borrow();
+        events.iter().map(|e| owner.holds_events(SkuKey::new(e.activity_id, e.sku_id))).collect()
+    };
+    let (held_events, applied): (Vec<_>, Vec<_>) =
+        events.into_iter().zip(&held).partition(|(_, held)| **held);
+    drop(held_events);
+    let applied: Vec<ReservationEvent> = applied.into_iter().map(|(e, _)| e).collect();
+    let mut results = apply_all(shard, &applied).await.into_iter();
+    held.iter()
+        .map(|held| match held {
+            true => Err(NotApplied::Held),
+            false => match results.next() {
+                Some(Ok(())) => Ok(()),
+                Some(Err(e)) => Err(NotApplied::Failed(e)),
+                None => Err(NotApplied::Failed("no result".into())),
+            },
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -37,6 +37,12 @@ pub struct LagSample {
     pub pending: u64,
     /// Age of the oldest message not yet delivered to a worker (0 when none).
     pub oldest_pending_age_ms: u64,
+    /// The stream's last sequence: every message published before the poll has one at most
+    /// this.
+    pub last_sequence: u64,
+    /// The consumer's ack floor: every message up to this sequence is settled (acked after its
+    /// commit, or terminated into the dead letters).
+    pub ack_floor: u64,
 }
 
 /// The last sample, shared. Clone freely.
@@ -49,6 +55,8 @@ pub struct LogLag {
 struct LagInner {
     pending: AtomicU64,
     oldest_pending_age_ms: AtomicU64,
+    last_sequence: AtomicU64,
+    ack_floor: AtomicU64,
     /// When the sample was taken (ms since the Unix epoch); 0 = never. Readers use it to tell
     /// a fresh "no backlog" from a poller that stopped answering.
     polled_at_ms: AtomicU64,
@@ -69,9 +77,21 @@ impl LogLag {
         self.inner.polled_at_ms.load(Ordering::Relaxed)
     }
 
+    /// See [`LagSample::last_sequence`].
+    pub fn last_sequence(&self) -> u64 {
+        self.inner.last_sequence.load(Ordering::Relaxed)
+    }
+
+    /// See [`LagSample::ack_floor`].
+    pub fn ack_floor(&self) -> u64 {
+        self.inner.ack_floor.load(Ordering::Relaxed)
+    }
+
     pub fn store(&self, sample: LagSample, now_ms: u64) {
         self.inner.pending.store(sample.pending, Ordering::Relaxed);
         self.inner.oldest_pending_age_ms.store(sample.oldest_pending_age_ms, Ordering::Relaxed);
+        self.inner.last_sequence.store(sample.last_sequence, Ordering::Relaxed);
+        self.inner.ack_floor.store(sample.ack_floor, Ordering::Relaxed);
         self.inner.polled_at_ms.store(now_ms.max(1), Ordering::Relaxed);
     }
 }
@@ -104,7 +124,12 @@ pub(super) async fn poll(
         };
         now_ms.saturating_sub(u64::try_from(head_ns / 1_000_000).unwrap_or(0))
     };
-    Ok(LagSample { pending, oldest_pending_age_ms })
+    Ok(LagSample {
+        pending,
+        oldest_pending_age_ms,
+        last_sequence: state.last_sequence,
+        ack_floor: consumer.ack_floor.stream_sequence,
+    })
 }
 
 /// Where one stream's copies stand.
@@ -168,8 +193,15 @@ mod tests {
         let lag = LogLag::default();
         assert_eq!(lag.polled_at_ms(), 0);
         let reader = lag.clone();
-        lag.store(LagSample { pending: 7, oldest_pending_age_ms: 1_500 }, 1_000);
+        let sample = LagSample {
+            pending: 7,
+            oldest_pending_age_ms: 1_500,
+            last_sequence: 40,
+            ack_floor: 33,
+        };
+        lag.store(sample, 1_000);
         assert_eq!(reader.pending(), 7);
+        assert_eq!((reader.last_sequence(), reader.ack_floor()), (40, 33));
         assert_eq!(reader.oldest_pending_age_ms(), 1_500);
         assert_eq!(reader.polled_at_ms(), 1_000);
     }

@@ -135,7 +135,7 @@ pub async fn create_activity(deps: &AdminDeps<'_>, body: &[u8]) -> (Status, Stri
     // Created now or before (the same body): the activation is idempotent (preheat by
     // version, the set, the conditional status), so a retry after a failure between the
     // steps completes it.
-    if let Err(refused) = activate(deps, &spec).await {
+    if let Err(refused) = activate(deps, &spec, &outcome).await {
         return refused;
     }
     let status =
@@ -166,8 +166,27 @@ async fn create_rows(
 
 /// Redis preheated, the SKU in the active-SKU set (every shard's scanner finds the SKUs it
 /// owns there, across engine restarts), then `ACTIVE` in PostgreSQL.
-async fn activate(deps: &AdminDeps<'_>, spec: &ActivitySpec) -> Result<(), (Status, String)> {
+///
+/// An activity activated before (`Existing`, no longer `PENDING`) is never preheated again:
+/// its initial stock would sell again what PostgreSQL already sold. If Redis lost it, its
+/// owner shard rebuilds it from PostgreSQL (`shard/rebuild.rs`, found within seconds).
+async fn activate(
+    deps: &AdminDeps<'_>,
+    spec: &ActivitySpec,
+    outcome: &CreateActivity,
+) -> Result<(), (Status, String)> {
     let key = SkuKey::new(spec.activity_id as u64, spec.sku_id as u64);
+    let redis_down = || error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
+    if matches!(outcome, CreateActivity::Existing { status } if status != "PENDING") {
+        let member = SkuMember { activity_id: key.activity_id, sku_id: key.sku_id };
+        return deps
+            .store
+            .functions
+            .add_active_sku(member)
+            .await
+            .map(drop)
+            .map_err(|_| redis_down());
+    }
     let keys = deps.store.sku_keys(key);
     let args = PreheatArgs {
         status: ActivityStatus::Active,
@@ -177,7 +196,6 @@ async fn activate(deps: &AdminDeps<'_>, spec: &ActivitySpec) -> Result<(), (Stat
         reservation_ttl_ms: spec.reservation_ttl_ms as u64,
         stock: spec.stock as u64,
     };
-    let redis_down = || error(Status::ServiceUnavailable, "REDIS_UNAVAILABLE");
     match deps.store.functions.preheat(&keys, &args).await {
         Ok(PreheatReply::Applied { .. }) | Ok(PreheatReply::Stale { .. }) => {}
         Err(e) => {

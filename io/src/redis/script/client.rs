@@ -28,6 +28,7 @@ use super::keys::{check_id, KeyBuf, SkuKeys};
 use super::mark_sent::{parse_mark_sent, MarkSentArgs, MarkSentReply, MARK_SENT_MAX};
 use super::preheat::{parse_preheat, PreheatArgs, PreheatReply};
 use super::reserve::{fenced, parse_reserve, ReserveArgs, ReserveReply};
+use super::restore::{parse_restore, RestoreLock, RestoreReply, RestoreStep};
 use super::top_up::{parse_top_up, TopUpArgs, TopUpReply};
 use crate::redis::cluster::Lane;
 use crate::redis::connection::FenceOutcome;
@@ -438,6 +439,61 @@ impl Functions {
         parse_preheat(reply)
     }
 
+    /// One step of a rebuild from PostgreSQL (`restore`), under `lock`.
+    pub async fn restore(
+        &self,
+        keys: &SkuKeys,
+        lock: RestoreLock<'_>,
+        step: &RestoreStep<'_>,
+    ) -> Result<RestoreReply, ScriptError> {
+        check_id(lock.token, "token")?;
+        let fixed = [
+            keys.meta(),
+            keys.stock(),
+            keys.soldout(),
+            keys.rebuild(),
+            keys.pending(),
+            keys.stuck(),
+        ];
+        let mut key_list: Vec<Vec<u8>> = fixed.iter().map(|k| k.as_bytes().to_vec()).collect();
+        let mut arg_list: Vec<Vec<u8>> = Vec::with_capacity(10);
+        let mode: &[u8] = match step {
+            RestoreStep::Begin { stock } => {
+                arg_list.push(stock.to_string().into_bytes());
+                b"BEGIN"
+            }
+            RestoreStep::Wipe { keys: wiped } => {
+                key_list.extend(wiped.iter().map(|k| k.as_bytes().to_vec()));
+                b"WIPE"
+            }
+            RestoreStep::Reservation(r) => {
+                key_list.push(keys.user(r.user_id).as_bytes().to_vec());
+                key_list.push(keys.req(r.user_id, r.request_id)?.as_bytes().to_vec());
+                key_list.push(keys.resv(r.reservation_id)?.as_bytes().to_vec());
+                let user_id = r.user_id.to_string();
+                let texts =
+                    [r.request_id, &user_id, r.payload_hash, r.reservation_id, r.message_id];
+                arg_list.extend(texts.map(|t| t.as_bytes().to_vec()));
+                let times = [r.reserved_at_ms, r.expires_at_ms, r.next_retry_at_ms];
+                arg_list.extend(times.map(|n| n.to_string().into_bytes()));
+                b"RESERVATION"
+            }
+            RestoreStep::Finish(meta) => {
+                arg_list.push(meta.status.as_str().as_bytes().to_vec());
+                let numbers = [meta.start_ms, meta.end_ms, meta.version, meta.reservation_ttl_ms];
+                arg_list.extend(numbers.map(|n| n.to_string().into_bytes()));
+                b"FINISH"
+            }
+        };
+        let ttl = lock.ttl_ms.to_string();
+        let mut args: Vec<&[u8]> = vec![mode, lock.token.as_bytes(), ttl.as_bytes()];
+        args.extend(arg_list.iter().map(Vec::as_slice));
+        let key_refs: Vec<&[u8]> = key_list.iter().map(Vec::as_slice).collect();
+        let (reply, _plain) =
+            self.fcall(keys.slot(), Lane::Plain, "restore", &key_refs, &args).await?;
+        parse_restore(reply)
+    }
+
     pub async fn top_up(
         &self,
         keys: &SkuKeys,
@@ -538,9 +594,16 @@ mod tests {
     #[test]
     fn library_header_names_the_library() {
         assert!(LIBRARY.starts_with(&format!("#!lua name={LIBRARY_NAME}\n")));
-        for f in
-            ["reserve", "mark_sent", "claim_due", "apply_result", "compensate", "preheat", "top_up"]
-        {
+        for f in [
+            "reserve",
+            "mark_sent",
+            "claim_due",
+            "apply_result",
+            "compensate",
+            "preheat",
+            "top_up",
+            "restore",
+        ] {
             assert!(
                 LIBRARY.contains(&format!("redis.register_function('{f}', {f})")),
                 "{f} not registered"

@@ -41,6 +41,7 @@ pub struct SkuKeys {
     pending: String,
     stuck: String,
     soldout: String,
+    rebuild: String,
 }
 
 impl SkuKeys {
@@ -54,6 +55,7 @@ impl SkuKeys {
             pending: format!("{prefix}resv:pending"),
             stuck: format!("{prefix}resv:stuck"),
             soldout: format!("{prefix}soldout"),
+            rebuild: format!("{prefix}rebuild"),
             prefix,
         }
     }
@@ -83,6 +85,10 @@ impl SkuKeys {
     }
     pub fn soldout(&self) -> &str {
         &self.soldout
+    }
+    /// `rebuild`: the lock of a rebuild from PostgreSQL (`restore`), held by one rebuilder.
+    pub fn rebuild(&self) -> &str {
+        &self.rebuild
     }
 
     pub fn user(&self, user_id: u64) -> KeyBuf {

@@ -5,8 +5,8 @@
 //!   (routed by the SKU's slot, `reserve` fenced) and reloads [`LIBRARY`] once on "function not
 //!   found" (the function did not run, so resending is safe); [`load_library`].
 //! - one file per function, mirroring it: `reserve.rs`, `mark_sent.rs`, `claim_due.rs`,
-//!   `apply_result.rs`, `compensate.rs`, `preheat.rs`, `top_up.rs`. Each holds the typed
-//!   arguments, the reply enum mirroring the function's closed set of replies, and the pure
+//!   `apply_result.rs`, `compensate.rs`, `preheat.rs`, `top_up.rs`, `restore.rs`. Each holds the
+//!   typed arguments, the reply enum mirroring the function's closed set of replies, and the pure
 //!   parser of that reply (unit-tested beside it).
 //! - `keys.rs`: [`SkuKeys`] (the key names of one SKU, built once) and the per-call keys built
 //!   on the stack; `error.rs`: [`ScriptError`]; `parse.rs`: the readers every parser shares.
@@ -33,6 +33,7 @@ mod mark_sent;
 mod parse;
 mod preheat;
 mod reserve;
+mod restore;
 mod top_up;
 
 pub use apply_result::{
@@ -47,4 +48,7 @@ pub use keys::{KeyBuf, SkuKeys, ID_LEN_MAX};
 pub use mark_sent::{parse_mark_sent, MarkSent, MarkSentArgs, MarkSentReply, MARK_SENT_MAX};
 pub use preheat::{parse_preheat, PreheatArgs, PreheatReply};
 pub use reserve::{parse_reserve, ActivityInvalidReason, RequestState, ReserveArgs, ReserveReply};
+pub use restore::{
+    parse_restore, RestoreLock, RestoreMeta, RestoreReply, RestoreReservation, RestoreStep,
+};
 pub use top_up::{parse_top_up, TopUpArgs, TopUpReply};
