@@ -55,9 +55,11 @@ fn refused_input_exits_2_and_writes_nothing() {
 
 /// Runs `sql` (simple query protocol) on `url`.
 fn sql(url: &str, sql: &str) -> Vec<String> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+        let (client, conn) =
+            tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
         let driver = tokio::spawn(conn);
         let rows = client.query(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
         drop(client);

@@ -388,9 +388,10 @@ fn a_restore_between_two_phases_holds_exactly_what_was_committed_before_it() {
     let elapsed_ms = report["elapsed_ms"].as_u64().unwrap();
     assert!(0 < rto_ms && rto_ms <= elapsed_ms && elapsed_ms <= wall_ms, "{report:#}");
     eprintln!(
-        "restore drill: RPO {rpo_ms} ms, RTO {rto_ms} ms (phases {}), {} orders",
+        "restore drill: RPO {rpo_ms} ms, RTO {rto_ms} ms (phases {}), {} orders, archive {}",
         report["phases_ms"],
-        orders.len()
+        orders.len(),
+        report["wal_archive"]
     );
 }
 

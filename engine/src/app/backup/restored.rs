@@ -19,7 +19,10 @@
 //! - `synchronous_standby_names = ''`, `primary_conninfo = ''`: a copy of an `ha` primary would
 //!   otherwise wait for standbys that are not there (every commit hangs) or try to follow one;
 //! - `hot_standby = on`: it answers (read-only) once consistent, before the target is reached,
-//!   which is how the stack's readiness probe sees it start.
+//!   which is how the stack's readiness probe sees it start;
+//! - `autovacuum = off`: nothing may commit in the copy before the drill has read the newest
+//!   commit it recovered (an autovacuum's ANALYZE would be newer than the target); a copy that
+//!   lives for a drill needs no vacuuming.
 //!
 //! `pg_hba.conf` is replaced by trust on loopback only: the copy listens on 127.0.0.1 alone and
 //! the drill needs no production credentials.
@@ -107,7 +110,8 @@ impl RestoredCopy {
              archive_mode = off\n\
              synchronous_standby_names = ''\n\
              primary_conninfo = ''\n\
-             hot_standby = on\n",
+             hot_standby = on\n\
+             autovacuum = off\n",
             wal_archive::restore_command(archive)?
         );
         let mut auto = fs::OpenOptions::new()

@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::io::Write as _;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::error::{io_err, StackError};
 use super::pg_init::{ensure_traversable, init_postgres, postgres_owner};
@@ -277,16 +277,6 @@ impl Segment {
     fn name(self) -> String {
         format!("{:08X}{:08X}{:08X}", self.timeline, self.log, self.seg)
     }
-}
-
-/// The archive of the cluster under `pg_dir` when [`enable`] configured it (read from the
-/// settings file, not from a running server).
-pub fn configured(pg_dir: &Path) -> Option<PathBuf> {
-    let text = fs::read_to_string(pg_dir.join("data").join(CONF_FILE)).ok()?;
-    text.lines().find_map(|line| {
-        let value = line.strip_prefix(ARCHIVE_SETTING)?.trim().strip_prefix('=')?.trim();
-        Some(PathBuf::from(value.trim_matches('\'')))
-    })
 }
 
 #[cfg(test)]
