@@ -88,7 +88,6 @@ fn build_scenario() -> Scenario {
     watchdog(&root);
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
-    std::fs::create_dir(root.join("work")).unwrap();
     let pg_dir = root.join("pg");
     let archive = pg_dir.join(wal_archive::ARCHIVE_DIR_NAME);
     wal_archive::enable(&pg_dir, &archive).expect("archiving configured");
@@ -289,15 +288,24 @@ fn admin(args: &[&str]) -> (anyhow::Result<u8>, String) {
     (status, String::from_utf8(out).unwrap())
 }
 
-/// `flashsale admin restore-drill --backup DIR --to T --json FILE [--keep]`: (status, report).
-fn drill(backup: &Path, to_ms: u64, keep: Keep) -> (u8, Value) {
+/// One drill's outcome, and the work directory of its own it ran in (tests may run at once).
+struct Drilled {
+    status: u8,
+    report: Value,
+    work: PathBuf,
+}
+
+/// `flashsale admin restore-drill --backup DIR --to T --work-dir W --json FILE [--keep]`, in a
+/// fresh work directory `W`.
+fn drill(backup: &Path, to_ms: u64, keep: Keep) -> Drilled {
     let s = scenario();
     let to = format_rfc3339_ms(to_ms).to_string();
-    let json_path = s.root.join(format!("report-{}.json", rand::random::<u32>()));
-    let (backup, work, json_file) =
-        (backup.display().to_string(), s.root.join("work"), json_path.display().to_string());
-    let work = work.display().to_string();
-    let mut args = vec!["restore-drill", "--backup", &backup, "--to", &to, "--work-dir", &work];
+    let work = s.root.join(format!("work-{}", rand::random::<u32>()));
+    std::fs::create_dir(&work).unwrap();
+    let json_path = work.join("report.json");
+    let (backup, w, json_file) =
+        (backup.display().to_string(), work.display().to_string(), json_path.display().to_string());
+    let mut args = vec!["restore-drill", "--backup", &backup, "--to", &to, "--work-dir", &w];
     args.extend(["--json", &json_file]);
     if keep == Keep::Running {
         args.push("--keep");
@@ -308,7 +316,13 @@ fn drill(backup: &Path, to_ms: u64, keep: Keep) -> (u8, Value) {
     let written: Value =
         serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
     assert_eq!(report, written, "--json writes the printed report");
-    (status, report)
+    Drilled { status, report, work }
+}
+
+/// The directories a drill left in its work directory (a copy not removed).
+fn dirs_left(work: &Path) -> Vec<PathBuf> {
+    let entries = std::fs::read_dir(work).unwrap().flatten();
+    entries.map(|e| e.path()).filter(|p| p.is_dir()).collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -346,22 +360,13 @@ impl Drop for Kept {
     }
 }
 
-fn restore_dirs_left(s: &Scenario) -> Vec<PathBuf> {
-    std::fs::read_dir(s.root.join("work"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.is_dir())
-        .collect()
-}
-
 // ---- the drills -----------------------------------------------------------------------------
 
 #[test]
 fn a_restore_between_two_phases_holds_exactly_what_was_committed_before_it() {
     let s = scenario();
     let started = Instant::now();
-    let (status, report) = drill(&s.backup, s.between, Keep::Running);
+    let Drilled { status, report, .. } = drill(&s.backup, s.between, Keep::Running);
     let wall_ms = started.elapsed().as_millis() as u64;
     let kept = Kept::of(&report);
     assert_eq!((status, &report["ok"]), (0, &json!(true)), "{report:#}");
@@ -398,7 +403,7 @@ fn a_restore_between_two_phases_holds_exactly_what_was_committed_before_it() {
 #[test]
 fn a_restore_to_before_phase_two_holds_none_of_its_orders() {
     let s = scenario();
-    let (status, report) = drill(&s.backup, s.before_phase_two, Keep::Running);
+    let Drilled { status, report, .. } = drill(&s.backup, s.before_phase_two, Keep::Running);
     let kept = Kept::of(&report);
     assert_eq!(status, 0, "{report:#}");
     let orders = strings(&kept.url(&s.database), "SELECT order_id FROM orders");
@@ -413,14 +418,13 @@ fn a_restore_to_before_phase_two_holds_none_of_its_orders() {
 #[test]
 fn a_write_outside_the_state_machine_fails_the_restore_that_holds_it() {
     let s = scenario();
-    let before = restore_dirs_left(s);
-    let (status, report) = drill(&s.backup, s.after_tamper, Keep::No);
+    let Drilled { status, report, work } = drill(&s.backup, s.after_tamper, Keep::No);
     assert_eq!((status, &report["ok"]), (1, &json!(false)), "{report:#}");
     let violations = report["violations"].to_string();
     assert!(violations.contains("ledger: 1 orders without their CLAIM"), "{violations}");
     assert_eq!(report["rto_ms"], Value::Null, "no RTO for a copy that does not reconcile");
     assert!(report["error"].is_null(), "the restore itself worked: {report:#}");
-    assert_eq!(restore_dirs_left(s), before, "the copy was stopped and removed");
+    assert_eq!(dirs_left(&work), Vec::<PathBuf>::new(), "the copy was stopped and removed");
 }
 
 #[test]
@@ -442,15 +446,14 @@ fn an_archive_missing_a_segment_cannot_reach_the_target() {
             .unwrap();
     manifest["wal_archive"] = json!(archive.display().to_string());
     std::fs::write(backup.join(MANIFEST_FILE), manifest.to_string()).unwrap();
-    let before = restore_dirs_left(s);
-    let (status, report) = drill(&backup, s.between, Keep::No);
+    let Drilled { status, report, work } = drill(&backup, s.between, Keep::No);
     assert_eq!((status, &report["ok"]), (1, &json!(false)), "{report:#}");
     assert_eq!(report["backup_verified"], true, "the base backup itself is whole");
     assert_eq!(report["wal_archive"]["first_missing"], json!(s.phase_two_segment), "{report:#}");
     let error = report["error"].as_str().unwrap_or_default();
     assert!(error.contains("recovery ended before configured recovery target"), "{error}");
     assert!(error.contains("archive ends before --to"), "{error}");
-    assert_eq!(restore_dirs_left(s), before, "the failed copy was removed");
+    assert_eq!(dirs_left(&work), Vec::<PathBuf>::new(), "the failed copy was removed");
 }
 
 #[test]

@@ -11,10 +11,12 @@
 //!    archive (a damaged backup or a missing early segment stops here), and a survey of the
 //!    archive's continuity from the backup's first segment;
 //! 3. the isolated copy and its recovery settings (`restored.rs`), started on a free loopback
-//!    port; waiting, within `--recovery-deadline-s`, until it has replayed to the target,
-//!    promoted, and is not in recovery (a recovery that runs out of archive before the target
-//!    exits FATAL, "recovery ended before configured recovery target was reached": the drill
-//!    fails with that line);
+//!    port (it must answer within the stack's 60 s start bound, which it does once it is
+//!    consistent: the backup's own stretch of WAL replayed); waiting, within
+//!    `--recovery-deadline-s`, until it has replayed the rest to the target, promoted, and is
+//!    not in recovery (a recovery that runs out of archive before the target exits FATAL,
+//!    "recovery ended before configured recovery target was reached": the drill fails with
+//!    that line);
 //! 4. the newest commit it holds (before anything writes to it), its timeline, a write;
 //! 5. the checks (`flashsale_pg_worker::restore_audit`), then the verdict, the report, and the
 //!    copy stopped and removed unless `--keep`.
@@ -145,11 +147,11 @@ pub fn restore_drill(args: &DrillArgs, out: &mut dyn Write) -> anyhow::Result<u8
     let copy = drill(&plan, &mut report, clock);
     report.conclude(elapsed_ms(clock));
     let text = serde_json::to_string_pretty(&report)?;
+    writeln!(out, "{text}")?;
     if let Some(path) = &args.json {
         std::fs::write(path, format!("{text}\n"))
             .with_context(|| format!("write {}", path.display()))?;
     }
-    writeln!(out, "{text}")?;
     // Stopped and removed here (unless kept), after the report: the RTO ended before.
     drop(copy);
     Ok(if report.ok { 0 } else { 1 })
@@ -232,7 +234,7 @@ fn verify_backup(plan: &DrillPlan) -> anyhow::Result<()> {
         .context("run pg_verifybackup")?;
     if !output.status.success() {
         bail!(
-            "pg_verifybackup refused the backup: {}{}",
+            "pg_verifybackup refused the backup: {} {}",
             String::from_utf8_lossy(&output.stdout).trim(),
             String::from_utf8_lossy(&output.stderr).trim()
         );

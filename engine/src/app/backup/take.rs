@@ -182,6 +182,9 @@ fn run_pg_basebackup(
         if started.elapsed() > deadline {
             let _ = child.kill();
             let _ = child.wait();
+            // pg_basebackup removes a half-written target when it fails on its own, not when
+            // it is killed.
+            let _ = fs::remove_dir_all(dir.join(DATA_DIR));
             bail!(
                 "pg_basebackup did not finish within {deadline:?} (it waits for its WAL to be \
                  archived: is the archiver keeping up? pg_stat_archiver); see {}",
