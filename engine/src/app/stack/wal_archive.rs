@@ -5,7 +5,9 @@
 //!
 //! Switched on by `flashsale stack up --archive-wal` (or a test calling [`enable`] before
 //! `Server::start`); once written, the settings stay with the data directory, so a later `stack
-//! up` without the flag keeps archiving. They live in `data/flashsale-archive.conf`, included
+//! up` without the flag keeps archiving. A flag rather than always on: the test suite's shared
+//! cluster and the demo's stack write all the time and never restore, and every switch archives
+//! a whole segment — they would fill the disk with archives nobody reads. They live in `data/flashsale-archive.conf`, included
 //! from `postgresql.conf`, so a base backup carries them: the restore drill turns archiving off
 //! in its copy (`app/backup/restored.rs`), or a promoted drill copy would push a timeline of
 //! its own into the archive that real restores follow.
