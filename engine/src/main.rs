@@ -148,6 +148,11 @@ enum StackAction {
         /// FLASHSALE_REDIS_URL lists every node) or ha (not available yet).
         #[arg(long, default_value = "standalone", value_parser = stack::Topology::parse)]
         topology: stack::Topology,
+        /// Archive PostgreSQL's WAL into DIR/postgres/wal-archive (DIR/pg-standbys/wal-archive
+        /// for ha), for `flashsale admin backup` and point-in-time restores; once on, it stays
+        /// on for that data directory.
+        #[arg(long)]
+        archive_wal: bool,
     },
     /// Stop the stack's servers (only the processes it recorded).
     Down {
@@ -185,21 +190,35 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("flashsale: error: {e:#}");
-            ExitCode::FAILURE
+            // Input a command refused before touching anything is a usage error, like clap's.
+            if e.downcast_ref::<flashsale_engine::app::backup::UsageError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Stack { action: StackAction::Up { dir, topology } } => {
-            let env = stack::up_with(&dir, topology)?;
+        Command::Stack { action: StackAction::Up { dir, topology, archive_wal } } => {
+            let wal = if archive_wal {
+                stack::WalArchiving::On
+            } else {
+                stack::WalArchiving::AsConfigured
+            };
+            let env = stack::up_with_archiving(&dir, topology, wal)?;
             print!("{}", env.render());
             eprintln!(
                 "stack up: data under {}, env written to {}",
                 dir.display(),
                 dir.join("env").display()
             );
+            let archive = stack::archive_dir(&dir, topology);
+            if archive.is_dir() {
+                eprintln!("stack up: PostgreSQL archives its WAL into {}", archive.display());
+            }
             Ok(())
         }
         Command::Stack { action: StackAction::Down { dir, purge } } => {

@@ -24,6 +24,9 @@
 //!   `batching`: the sans-I/O size of each pull (the batch follows the backlog);
 //! - `pool`: the connection pool (multi-host URLs); `sql`: the statements;
 //! - `audit`: the invariant checker of DESIGN.md section 8 (items 1–3, 7);
+//! - `pitr`: what the backup commands ask the server itself (archiving, recovery, newest
+//!   commit); `restore_audit`: the checks of a restored copy (the reconcile half per SKU, the
+//!   ledger and payments against the orders, every unique key);
 //! - `activity_creation`, `lifecycle`, `sku`: what the admin plane asks of PostgreSQL
 //!   (activities created; SKUs added, ended, terminated, topped up; a SKU's config and its
 //!   sellable units); `reservation_lookup`: the query fallback; `redis_rebuild`: what a SKU
@@ -53,12 +56,14 @@ pub mod payment_reconcile;
 pub mod payment_statement;
 pub mod payment_unknown;
 pub mod payments;
+pub mod pitr;
 pub mod plan;
 pub mod pool;
 pub mod provider;
 pub mod reconcile;
 pub mod redis_rebuild;
 pub mod reservation_lookup;
+pub mod restore_audit;
 pub mod set_writer;
 pub mod settle_expired;
 pub mod sku;

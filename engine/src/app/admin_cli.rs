@@ -29,6 +29,11 @@
 //!   replay --seq N` / `discard --seq N`: `POST /admin/v1/dlq/{n}` (`shard/admin/dlq.rs`); exit 0
 //!   when done.
 //!
+//! - `flashsale admin backup --dir DIR [--pg-url URL]` and `flashsale admin restore-drill
+//!   --backup DIR --to RFC3339 [--json FILE] [--keep]`: PostgreSQL base backups and the
+//!   point-in-time restore drill (`app/backup/`: they talk to PostgreSQL and its tools, not to
+//!   the engine); exit 2 for input they refuse ([`crate::app::backup::UsageError`]).
+//!
 //! Adding a call: a variant of [`AdminCommand`], its argument struct, and a function that uses
 //! [`AdminClient::get_json`] / [`AdminClient::post_json`] and returns the exit status.
 //! `--admin-addr` and `--token` override `FLASHSALE_ADMIN_ADDR` / `FLASHSALE_ADMIN_TOKEN` (and
@@ -99,6 +104,14 @@ pub enum AdminCommand {
     /// stock, set the release policy. Each change is versioned and recorded with `--actor`.
     #[command(subcommand)]
     Activity(ActivityCommand),
+    /// A PostgreSQL base backup (pg_basebackup) beside the WAL archive the server keeps; prints
+    /// its manifest. Talks to PostgreSQL, not to the engine.
+    Backup(crate::app::backup::BackupArgs),
+    /// Restores a backup into an isolated directory to a point in time, starts it on a free
+    /// port, checks orders, payments, ledger, unique keys and each SKU's conservation, and
+    /// reports the measured RPO and RTO; exit 0 when everything reconciles, 1 when not, 2 on
+    /// bad input.
+    RestoreDrill(crate::app::backup::DrillArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -322,6 +335,7 @@ where
 pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8> {
     let pg_url = match &args.command {
         AdminCommand::Payments(PaymentsCommand::Reconcile(s)) => s.pg_url.clone(),
+        AdminCommand::Backup(b) => b.pg_url.clone(),
         _ => None,
     };
     let overrides =
@@ -355,6 +369,8 @@ pub fn run(args: AdminArgs, env: &Env, out: &mut dyn Write) -> anyhow::Result<u8
         AdminCommand::Dlq(DlqCommand::List { after }) => dlq_list(&client, *after, out)?,
         AdminCommand::Dlq(DlqCommand::Replay(seq)) => dlq_act(&client, seq.seq, "replay", out)?,
         AdminCommand::Dlq(DlqCommand::Discard(seq)) => dlq_act(&client, seq.seq, "discard", out)?,
+        AdminCommand::Backup(b) => crate::app::backup::backup(b, &config.pg_url, out)?,
+        AdminCommand::RestoreDrill(d) => crate::app::backup::restore_drill(d, out)?,
     };
     out.flush()?;
     Ok(status)

@@ -2,6 +2,10 @@
 //! the `postgres` system user that must own the directory and run the server (PostgreSQL
 //! refuses to run as root).
 //!
+//! Also what the backup commands (`app/backup/`) need to act as that user: [`postgres_tool`]
+//! (`pg_basebackup`, `pg_verifybackup` run as it) and [`hand_to_postgres`] (a directory it
+//! must own).
+//!
 //! Not here: starting the server (`server.rs`), standbys (`pg_standbys.rs`).
 
 use std::fs;
@@ -13,6 +17,25 @@ use std::process::Command;
 use super::error::{io_err, StackError};
 use super::kind::{find_binary, Kind};
 use super::process::current_euid;
+
+/// A PostgreSQL program (`pg_basebackup`, `pg_verifybackup`, ...) found where Debian puts
+/// them, set to run as the `postgres` user when we are root (the files it writes are then the
+/// server's, and it can read the server's).
+pub fn postgres_tool(name: &'static str) -> Result<Command, StackError> {
+    let mut command = Command::new(find_binary(Kind::Postgres, name)?);
+    as_postgres_user(&mut command)?;
+    Ok(command)
+}
+
+/// Gives `dir` and everything under it to the `postgres` user when we are root (a no-op
+/// otherwise), after checking that it can walk down to `dir`.
+pub fn hand_to_postgres(dir: &Path) -> Result<(), StackError> {
+    if let Some(owner) = postgres_owner()? {
+        ensure_traversable(dir, owner)?;
+        chown_tree(dir, owner)?;
+    }
+    Ok(())
+}
 
 pub(super) fn init_postgres(dir: &Path) -> Result<(), StackError> {
     let data = dir.join("data");
@@ -51,8 +74,8 @@ pub(super) fn init_postgres(dir: &Path) -> Result<(), StackError> {
 /// system user (created by the Debian package), which must own the data directory.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Owner {
-    uid: u32,
-    gid: u32,
+    pub(super) uid: u32,
+    pub(super) gid: u32,
 }
 
 pub(super) fn postgres_owner() -> Result<Option<Owner>, StackError> {

@@ -13,19 +13,20 @@
 //! split brain the client's fencing rule refuses, see `pg-worker/src/pool.rs`).
 //! [`PgStandbys::url`] is the libpq multi-host URL with `target_session_attrs=read-write`.
 //!
-//! SQL for set-up and drills goes through a tiny blocking simple-query client of its own
-//! (trust authentication on loopback only), like the readiness probe in `stack/server.rs`: the
-//! starters are synchronous and must not need an async runtime.
+//! SQL for set-up and drills goes through the stack's tiny blocking simple-query client
+//! (`pg_query.rs`, trust authentication on loopback only): the starters are synchronous and
+//! must not need an async runtime.
 //!
 //! What it is not: a failover manager. Nothing here promotes on its own; a drill (or an
 //! operator, or Patroni in production, see `tuning/postgresql-ha.md`) decides. Layout:
-//! `DIR/pg0`, `DIR/s1`, `DIR/s2`, each with `data/`, `server.log`, `pid` and `port`.
+//! `DIR/pg0`, `DIR/s1`, `DIR/s2`, each with `data/`, `server.log`, `pid` and `port`, and with
+//! [`PgStandbys::up_with`] archiving on, `DIR/wal-archive` (`wal_archive.rs`).
 //! Measured here (FIELD-NOTES.md): primary + standby from scratch ~1.1 s; stop primary +
 //! promote + first read-write connect ~0.24 s.
 
 use std::fs;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -35,8 +36,10 @@ use super::kind::{find_binary, Kind};
 use super::pg_init::{
     as_postgres_user, chown_tree, ensure_traversable, init_postgres, postgres_owner,
 };
+use super::pg_query::simple_query;
 use super::process::{process_alive, process_matches, process_state, signal_process};
 use super::server::Server;
+use super::wal_archive::{self, WalArchiving, ARCHIVE_DIR_NAME};
 
 /// The nodes: the first primary, then the two standbys (also their `application_name`s).
 pub const NODE_NAMES: [&str; 3] = ["pg0", "s1", "s2"];
@@ -44,8 +47,6 @@ pub const NODE_NAMES: [&str; 3] = ["pg0", "s1", "s2"];
 pub const SYNCHRONOUS_STANDBY_NAMES: &str = "ANY 1 (s1, s2)";
 /// Bound on waiting for standbys to stream, a promotion, or a role change.
 const ROLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Bound on one SQL round trip of the set-up client.
-const SQL_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn service_err(message: String) -> StackError {
     StackError::Service { service: "postgres standbys", message }
@@ -96,6 +97,28 @@ impl PgStandbys {
     /// when none exists; refuses a half-present set (`stack down --purge` first). A failure
     /// part-way stops what this call started.
     pub fn up(dir: &Path) -> Result<PgStandbys, StackError> {
+        PgStandbys::up_with(dir, WalArchiving::AsConfigured)
+    }
+
+    /// [`PgStandbys::up`], with WAL archiving into `DIR/wal-archive` when `wal` says so: set
+    /// on `pg0` before its first start, and copied to the standbys by `pg_basebackup` with
+    /// the rest of its configuration, so that a promoted standby archives too. A running set
+    /// is only checked (its primary must already archive).
+    pub fn up_with(dir: &Path, wal: WalArchiving) -> Result<PgStandbys, StackError> {
+        let set = PgStandbys::start_or_build(dir, wal)?;
+        if wal == WalArchiving::On {
+            let primary = (0..set.nodes.len()).find(|&i| set.is_primary(i));
+            if let Some(index) = primary {
+                wal_archive::check_running(SocketAddr::from((
+                    [127, 0, 0, 1],
+                    set.nodes[index].port,
+                )))?;
+            }
+        }
+        Ok(set)
+    }
+
+    fn start_or_build(dir: &Path, wal: WalArchiving) -> Result<PgStandbys, StackError> {
         fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
         let dir = dir.canonicalize().map_err(io_err(format!("canonicalize {}", dir.display())))?;
         let present = NODE_NAMES.iter().filter(|n| dir.join(n).join("data").exists()).count();
@@ -135,7 +158,7 @@ impl PgStandbys {
                 .map(|name| PgNode { name, port: 0, dir: dir.join(name), server: None })
                 .collect(),
         };
-        match set.build() {
+        match set.build(wal) {
             Ok(()) => Ok(set),
             Err(e) => {
                 set.stop_all();
@@ -144,10 +167,13 @@ impl PgStandbys {
         }
     }
 
-    fn build(&mut self) -> Result<(), StackError> {
+    fn build(&mut self, wal: WalArchiving) -> Result<(), StackError> {
         let primary_dir = self.nodes[0].dir.clone();
         fs::create_dir_all(&primary_dir).map_err(io_err("create the primary's directory"))?;
         init_postgres(&primary_dir)?;
+        if wal == WalArchiving::On {
+            wal_archive::enable(&primary_dir, &self.dir.join(ARCHIVE_DIR_NAME))?;
+        }
         append(
             &primary_dir.join("data").join("postgresql.conf"),
             &format!(
@@ -434,107 +460,9 @@ fn children_of(pid: u32) -> Vec<u32> {
         .collect()
 }
 
-// ---- a minimal blocking simple-query client (trust authentication only) ------------------
-
-/// One simple query over a fresh connection as `postgres` to database `postgres`; the rows as
-/// text. An ErrorResponse becomes an error naming the server's message.
-fn simple_query(addr: SocketAddr, sql: &str) -> Result<Vec<Vec<Option<String>>>, StackError> {
-    let context = format!("postgres at {addr}");
-    let mut stream = TcpStream::connect_timeout(&addr, SQL_TIMEOUT).map_err(io_err(&context))?;
-    stream.set_read_timeout(Some(SQL_TIMEOUT)).map_err(io_err(&context))?;
-    let mut startup = Vec::with_capacity(96);
-    startup.extend_from_slice(&[0; 4]);
-    startup.extend_from_slice(&196_608u32.to_be_bytes()); // protocol 3.0
-    for s in ["user", "postgres", "database", "postgres", "application_name", "flashsale-stack"] {
-        startup.extend_from_slice(s.as_bytes());
-        startup.push(0);
-    }
-    startup.push(0);
-    let len = startup.len() as u32;
-    startup[0..4].copy_from_slice(&len.to_be_bytes());
-    stream.write_all(&startup).map_err(io_err(&context))?;
-    read_until_ready(&mut stream, &context)?;
-    let mut query = vec![b'Q'];
-    query.extend_from_slice(&((sql.len() + 5) as u32).to_be_bytes());
-    query.extend_from_slice(sql.as_bytes());
-    query.push(0);
-    stream.write_all(&query).map_err(io_err(&context))?;
-    let rows = read_until_ready(&mut stream, &context)?;
-    let _ = stream.write_all(&[b'X', 0, 0, 0, 4]);
-    Ok(rows)
-}
-
-/// Reads messages up to ReadyForQuery, collecting DataRows; the first ErrorResponse fails.
-fn read_until_ready(
-    stream: &mut TcpStream,
-    context: &str,
-) -> Result<Vec<Vec<Option<String>>>, StackError> {
-    let mut rows = Vec::new();
-    let mut error = None;
-    loop {
-        let mut head = [0u8; 5];
-        stream.read_exact(&mut head).map_err(io_err(context))?;
-        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-        if !(4..=(64 << 20)).contains(&len) {
-            return Err(service_err(format!("{context}: bad message length {len}")));
-        }
-        let mut body = vec![0u8; len - 4];
-        stream.read_exact(&mut body).map_err(io_err(context))?;
-        match head[0] {
-            b'R' if body.get(..4) != Some(&[0, 0, 0, 0]) => {
-                return Err(service_err(format!("{context}: asks for a password (trust only)")))
-            }
-            b'D' => rows
-                .push(data_row(&body).ok_or_else(|| service_err(format!("{context}: bad row")))?),
-            b'E' if error.is_none() => error = Some(error_message(&body)),
-            b'Z' => break,
-            _ => {}
-        }
-    }
-    match error {
-        Some(message) => Err(service_err(format!("{context}: {message}"))),
-        None => Ok(rows),
-    }
-}
-
-fn data_row(body: &[u8]) -> Option<Vec<Option<String>>> {
-    let columns = u16::from_be_bytes([*body.first()?, *body.get(1)?]) as usize;
-    let mut at = 2;
-    let mut row = Vec::with_capacity(columns);
-    for _ in 0..columns {
-        let len = i32::from_be_bytes(body.get(at..at + 4)?.try_into().ok()?);
-        at += 4;
-        if len < 0 {
-            row.push(None);
-        } else {
-            let value = body.get(at..at + len as usize)?;
-            row.push(Some(String::from_utf8_lossy(value).into_owned()));
-            at += len as usize;
-        }
-    }
-    Some(row)
-}
-
-/// The `M` (message) field of an ErrorResponse.
-fn error_message(body: &[u8]) -> String {
-    body.split(|b| *b == 0)
-        .find_map(|field| field.strip_prefix(b"M"))
-        .map_or_else(|| "error".to_owned(), |m| String::from_utf8_lossy(m).into_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn data_rows_and_errors_decode() {
-        // Two columns: "t" and NULL.
-        let body = [0, 2, 0, 0, 0, 1, b't', 0xff, 0xff, 0xff, 0xff];
-        assert_eq!(data_row(&body), Some(vec![Some("t".to_owned()), None]));
-        assert_eq!(data_row(&[0, 1, 0, 0, 0, 9, b'x']), None, "truncated value");
-        let error = b"SERROR\0C42601\0Msyntax error at end of input\0\0";
-        assert_eq!(error_message(error), "syntax error at end of input");
-    }
 
     #[test]
     fn urls_list_the_hosts_in_the_order_asked() {

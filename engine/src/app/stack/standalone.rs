@@ -2,6 +2,9 @@
 //! `DIR/<kind>`, started or reused ([`up`]), or one of them alone ([`ensure`], what the
 //! integration tests call).
 //!
+//! With [`WalArchiving::On`] the PostgreSQL server archives its WAL into
+//! `DIR/postgres/wal-archive` (`wal_archive.rs`).
+//!
 //! Not here: the multi-node topologies and `down` (`topology.rs`).
 
 use std::fs;
@@ -12,10 +15,16 @@ use super::dir::{lock_dir, StackEnv};
 use super::error::{io_err, StackError};
 use super::kind::Kind;
 use super::server::Server;
+use super::wal_archive::{self, WalArchiving, ARCHIVE_DIR_NAME};
 
 /// Starts (or reuses) every server under `dir` and writes `dir/env`. Serialised by a lock
 /// file so that two `up`s racing (e.g. parallel test binaries) share one stack.
 pub fn up(dir: &Path) -> Result<StackEnv, StackError> {
+    up_archiving(dir, WalArchiving::AsConfigured)
+}
+
+/// [`up`], with PostgreSQL's WAL archiving switched on when `wal` says so.
+pub fn up_archiving(dir: &Path, wal: WalArchiving) -> Result<StackEnv, StackError> {
     fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
     let lock = lock_dir(dir)?;
     let mut urls = Vec::with_capacity(3);
@@ -25,7 +34,7 @@ pub fn up(dir: &Path) -> Result<StackEnv, StackError> {
     for kind in Kind::ALL {
         let kind_dir = dir.join(kind.name());
         let running = Server::find_running(kind, &kind_dir).is_some();
-        match ensure_locked(kind, &kind_dir) {
+        match ensure_archiving(kind, &kind_dir, wal) {
             Ok(server) => {
                 urls.push(server.url());
                 if !running {
@@ -47,6 +56,24 @@ pub fn up(dir: &Path) -> Result<StackEnv, StackError> {
     fs::write(dir.join("env"), env.render()).map_err(io_err("write env"))?;
     drop(lock);
     Ok(env)
+}
+
+/// [`ensure_locked`], for PostgreSQL with its WAL archive configured first when asked and
+/// checked to be in force afterwards (a server already running may predate the settings).
+pub(super) fn ensure_archiving(
+    kind: Kind,
+    dir: &Path,
+    wal: WalArchiving,
+) -> Result<Server, StackError> {
+    let archiving = kind == Kind::Postgres && wal == WalArchiving::On;
+    if archiving {
+        wal_archive::enable(dir, &dir.join(ARCHIVE_DIR_NAME))?;
+    }
+    let server = ensure_locked(kind, dir)?;
+    if archiving {
+        wal_archive::check_running(server.addr())?;
+    }
+    Ok(server)
 }
 
 /// One server of `kind` under `dir`: the running one, or a new one (on its previous port when

@@ -9,11 +9,13 @@
 //!   (s1, s2)'` (`super::pg_standbys`); `DIR/env` holds the comma-separated seeds and the
 //!   multi-host PostgreSQL URL (`target_session_attrs=read-write`).
 //!
+//! With archiving on (`--archive-wal`), PostgreSQL archives its WAL into [`archive_dir`].
+//!
 //! [`down`] stops every server of every topology recorded under the directory (the single
 //! ones, then the multi-node ones through [`down_nodes`]).
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::dir::{lock_dir, StackEnv};
 use super::error::{io_err, StackError};
@@ -23,7 +25,8 @@ use super::pg_standbys::{self, PgStandbys};
 use super::process::process_matches;
 use super::redis_cluster::{self, RedisCluster};
 use super::server::Server;
-use super::standalone::{self, ensure_locked};
+use super::standalone::{self, ensure_archiving, ensure_locked};
+use super::wal_archive::{WalArchiving, ARCHIVE_DIR_NAME};
 
 /// Where the multi-node servers live under a stack directory.
 const REDIS_CLUSTER_DIR: &str = "redis-cluster";
@@ -58,25 +61,45 @@ impl Topology {
 
 /// Starts (or reuses) the stack of `topology` under `dir` and writes `dir/env`.
 pub fn up_with(dir: &Path, topology: Topology) -> Result<StackEnv, StackError> {
+    up_with_archiving(dir, topology, WalArchiving::AsConfigured)
+}
+
+/// [`up_with`], with PostgreSQL archiving its WAL into [`archive_dir`] when `wal` says so
+/// (`flashsale stack up --archive-wal`).
+pub fn up_with_archiving(
+    dir: &Path,
+    topology: Topology,
+    wal: WalArchiving,
+) -> Result<StackEnv, StackError> {
     match topology {
-        Topology::Standalone => standalone::up(dir),
-        Topology::Cluster => up_cluster(dir),
-        Topology::Ha => up_ha(dir),
+        Topology::Standalone => standalone::up_archiving(dir, wal),
+        Topology::Cluster => up_cluster(dir, wal),
+        Topology::Ha => up_ha(dir, wal),
     }
 }
 
-fn up_cluster(dir: &Path) -> Result<StackEnv, StackError> {
+/// Where the stack of `topology` under `dir` keeps its WAL archive (when archiving is on):
+/// beside the PostgreSQL data, `DIR/postgres/wal-archive` or `DIR/pg-standbys/wal-archive`.
+pub fn archive_dir(dir: &Path, topology: Topology) -> PathBuf {
+    let pg = match topology {
+        Topology::Standalone | Topology::Cluster => Kind::Postgres.name(),
+        Topology::Ha => PG_STANDBYS_DIR,
+    };
+    dir.join(pg).join(ARCHIVE_DIR_NAME)
+}
+
+fn up_cluster(dir: &Path, wal: WalArchiving) -> Result<StackEnv, StackError> {
     up_with_redis_cluster(dir, || {
-        let pg = ensure_locked(Kind::Postgres, &dir.join(Kind::Postgres.name()))?;
+        let pg = ensure_archiving(Kind::Postgres, &dir.join(Kind::Postgres.name()), wal)?;
         let nats = ensure_locked(Kind::Nats, &dir.join(Kind::Nats.name()))?;
         Ok((pg.url(), nats.url()))
     })
 }
 
-fn up_ha(dir: &Path) -> Result<StackEnv, StackError> {
+fn up_ha(dir: &Path, wal: WalArchiving) -> Result<StackEnv, StackError> {
     up_with_redis_cluster(dir, || {
         let mut nats = NatsCluster::up(&dir.join(NATS_CLUSTER_DIR))?;
-        match PgStandbys::up(&dir.join(PG_STANDBYS_DIR)) {
+        match PgStandbys::up_with(&dir.join(PG_STANDBYS_DIR), wal) {
             Ok(pg) => Ok((pg.url("postgres"), nats.url())),
             Err(e) => {
                 nats.stop();
