@@ -25,4 +25,5 @@ pub mod partition;
 pub mod placement;
 pub mod reconcile;
 pub mod redis_settings;
+pub mod sku_funnel;
 pub mod submit;

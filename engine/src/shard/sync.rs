@@ -15,7 +15,7 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 
 use flashsale_io::redis::script::{
-    ApplyResultArgs, CompensateArgs, CompensateReply, FinalOutcome, ScriptError,
+    ApplyResultArgs, ApplyResultReply, CompensateArgs, CompensateReply, FinalOutcome, ScriptError,
 };
 use flashsale_io::wire::{Compensation, EventAction, ReservationEvent, ORDER_CANCELLED_REASON};
 use tokio::sync::mpsc;
@@ -25,6 +25,7 @@ use crate::durable::sync::SyncRequest;
 use crate::durable::DurableRequest;
 use crate::logic::clock::now_ms;
 use crate::logic::placement::SkuKey;
+use crate::logic::sku_funnel::Stage;
 
 /// Applies the events of one request to Redis and the local flags; one result per event, in
 /// order. The final outcomes go first, one `apply_results` call per SKU (a fetch's events for
@@ -111,7 +112,8 @@ async fn apply_results(
             Ok(replies) => {
                 for ((i, args), reply) in batch.iter().zip(replies) {
                     results[*i] = match reply {
-                        Ok(_) => {
+                        Ok(applied) => {
+                            count_order(shard, &events[*i], args.outcome, applied);
                             // Its outcome is in Redis now: no mark of its message is needed.
                             shard.publish.outcome_recorded(args.reservation_id);
                             Ok(())
@@ -126,6 +128,21 @@ async fn apply_results(
                 }
             }
         }
+    }
+}
+
+/// An order's outcome recorded for the first time counts in the SKU's funnel (a repeat of the
+/// same event answers `Already` and is not counted again).
+fn count_order(
+    shard: &Shard,
+    event: &ReservationEvent,
+    outcome: FinalOutcome<'_>,
+    applied: ApplyResultReply,
+) {
+    if matches!(outcome, FinalOutcome::OrderCreated { .. }) && applied == ApplyResultReply::Applied
+    {
+        let key = SkuKey::new(event.activity_id, event.sku_id);
+        shard.shared.sku_funnel.count(shard.id, key, Stage::Orders);
     }
 }
 
@@ -174,6 +191,7 @@ async fn compensate(
     let reply = shard.store.functions.compensate(&keys, &args).await?;
     let CompensateReply::Applied { stock_after } = reply else { return Ok(()) };
     shard.metrics().compensations.fetch_add(1, Ordering::Relaxed);
+    shard.shared.sku_funnel.count(shard.id, key, Stage::Compensations);
     if compensation.return_stock && stock_after > 0 {
         if let Some(update) = shard.owner.borrow_mut().on_stock_returned(key) {
             shard.mesh.broadcast(update);

@@ -48,6 +48,8 @@ pub fn readyz(shared: &EdgeShared) -> (Status, String) {
 pub fn metrics(shared: &EdgeShared) -> (Status, String) {
     let mut text = String::with_capacity(16 * 1024);
     shared.metrics.render(&mut text);
+    shared.sku_funnel.promote();
+    shared.sku_funnel.render(&mut text);
     render_mode(shared, &mut text);
     if let Some(facts) = shared.redis_facts.get() {
         facts.render_metrics(&mut text);
