@@ -14,6 +14,7 @@ pub mod api;
 pub mod auth;
 pub mod circuit;
 pub mod clock;
+pub mod drain;
 pub mod failover;
 pub mod ids;
 pub mod limiter;

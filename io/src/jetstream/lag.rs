@@ -37,6 +37,9 @@ pub struct LagSample {
     pub pending: u64,
     /// Age of the oldest message not yet delivered to a worker (0 when none).
     pub oldest_pending_age_ms: u64,
+    /// Messages ever published to the stream (its last sequence): with `pending`, the
+    /// produce and consume rates of the drain-time estimate (`engine::logic::drain`).
+    pub produced_total: u64,
 }
 
 /// The last sample, shared. Clone freely.
@@ -104,7 +107,7 @@ pub(super) async fn poll(
         };
         now_ms.saturating_sub(u64::try_from(head_ns / 1_000_000).unwrap_or(0))
     };
-    Ok(LagSample { pending, oldest_pending_age_ms })
+    Ok(LagSample { pending, oldest_pending_age_ms, produced_total: state.last_sequence })
 }
 
 /// Where one stream's copies stand.
@@ -168,7 +171,8 @@ mod tests {
         let lag = LogLag::default();
         assert_eq!(lag.polled_at_ms(), 0);
         let reader = lag.clone();
-        lag.store(LagSample { pending: 7, oldest_pending_age_ms: 1_500 }, 1_000);
+        let sample = LagSample { pending: 7, oldest_pending_age_ms: 1_500, produced_total: 9 };
+        lag.store(sample, 1_000);
         assert_eq!(reader.pending(), 7);
         assert_eq!(reader.oldest_pending_age_ms(), 1_500);
         assert_eq!(reader.polled_at_ms(), 1_000);
