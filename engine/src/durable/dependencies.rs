@@ -88,7 +88,11 @@ fn family(out: &mut String, name: &str, kind: &str, lines: &[(String, f64)]) {
     }
     let _ = writeln!(out, "# TYPE {name} {kind}");
     for (labels, value) in lines {
-        let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
     }
 }
 
