@@ -671,15 +671,15 @@ fn the_conservation_alert_fires_in_a_real_prometheus() {
     }
 }
 
-/// Two SKUs sold in four waves a second apart while Prometheus scrapes (so that the rates
+/// Two SKUs sold in six waves a second apart while Prometheus scrapes (so that the rates
 /// have a shape): 21:22 (80 units, 120 buyers) and the hot 31:32 (40 units, 60 buyers).
 fn short_sale(engine: &Engine) {
     engine.create_activity(21, 22, 80);
     engine.create_activity(31, 32, 40);
     let mut c = HttpClient::connect(engine.http());
-    for wave in 0..4u64 {
-        for i in 0..30u64 {
-            let user = wave * 30 + i + 1;
+    for wave in 0..6u64 {
+        for i in 0..20u64 {
+            let user = wave * 20 + i + 1;
             let (_, v) = engine.submit(&mut c, user, 21, 22, &format!("s-{user}"));
             assert!(matches!(state(&v), "QUEUED" | "QUEUED_PENDING" | "SOLD_OUT"), "{v}");
             if i % 2 == 0 {
@@ -725,7 +725,7 @@ fn prove_the_dashboard(prometheus: &Prometheus) {
 
 /// Grafana's variables replaced by what they expand to here.
 fn expand(q: &str) -> String {
-    q.replace("$__rate_interval", "4s").replace("$instance", ".*")
+    q.replace("$__rate_interval", "5s").replace("$instance", ".*")
 }
 
 /// The key panels over the last `window_s` seconds, drawn from Prometheus' own data into
@@ -772,8 +772,13 @@ fn draw_key_panels(prometheus: &Prometheus, window_s: u64) {
                 lines.push((name, points));
             }
         }
+        // Series that stayed at 0 (states nobody got) would only crowd the legend.
+        lines.retain(|(_, points)| points.iter().any(|(_, y)| *y > 0.0));
         charts.push((title, lines));
     }
+    let scrapes =
+        prometheus.value(&format!("count_over_time(up{{job=\"flashsale\"}}[{window_s}s])"));
+    println!("key panels drawn over {window_s} s ({scrapes:?} scrapes in it)");
     let svg = svg::charts(&charts, window_s as f64);
     std::fs::write(repo().join("tuning/grafana/flashsale-sale.svg"), svg).unwrap();
 }

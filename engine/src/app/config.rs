@@ -482,7 +482,6 @@ impl Config {
         let payment_key = layers.optional("FLASHSALE_PAYMENT_KEY", file_payment);
         let payments =
             payments_settings(payments.unwrap_or_default(), env, payment_key.as_deref())?;
-        let sku_funnel = sku_funnel_settings(metrics.unwrap_or_default(), &engine.pins)?;
         Ok(Config {
             redis_url: check_redis_url(endpoints.redis_url)?,
             redis_min_replica_acks: endpoints.redis_min_replica_acks,
@@ -498,16 +497,14 @@ impl Config {
             payment_key,
             admission,
             overload,
-            mode_state_file: layers
-                .optional("FLASHSALE_MODE_STATE_FILE", None)
-                .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from),
+            mode_state_file: layers.mode_state_file(),
+            sku_funnel: sku_funnel_settings(metrics.unwrap_or_default(), &engine.pins)?,
             pins: engine.pins,
             instance_id: engine.instance_id,
             log,
             worker,
             http,
             payments,
-            sku_funnel,
         })
     }
 }
@@ -567,6 +564,12 @@ struct Endpoints {
 }
 
 impl Layers<'_> {
+    /// `FLASHSALE_MODE_STATE_FILE`, default `var/modes.json`.
+    fn mode_state_file(&self) -> PathBuf {
+        self.optional("FLASHSALE_MODE_STATE_FILE", None)
+            .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from)
+    }
+
     fn pick(
         &self,
         flag: &Option<String>,

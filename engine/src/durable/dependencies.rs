@@ -187,7 +187,7 @@ fn render_log(streams: &[StreamStats], out: &mut String) {
 pub async fn poll(
     log: Log,
     pg_url: String,
-    deps: std::sync::Arc<super::health::Health>,
+    deps: std::sync::Arc<Dependencies>,
     every: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -202,8 +202,8 @@ pub async fn poll(
     let mut pg: Option<(tokio_postgres::Client, tokio::task::JoinHandle<()>)> = None;
     loop {
         match tokio::time::timeout(every, log.poll_stats()).await {
-            Ok(streams) => deps.deps.set_log(streams),
-            Err(_) => deps.deps.set_log(Vec::new()),
+            Ok(streams) => deps.set_log(streams),
+            Err(_) => deps.set_log(Vec::new()),
         }
         if pg.as_ref().is_none_or(|(client, _)| client.is_closed()) {
             if let Some((_, task)) = pg.take() {
@@ -223,10 +223,10 @@ pub async fn poll(
             None => Ok(Err(flashsale_pg_worker::error::PgError::Pool("not connected".into()))),
         };
         match stats {
-            Ok(Ok(stats)) => deps.deps.set_pg(Some(stats)),
+            Ok(Ok(stats)) => deps.set_pg(Some(stats)),
             other => {
                 tracing::debug!(?other, "postgres dependency sample failed");
-                deps.deps.set_pg(None);
+                deps.set_pg(None);
                 if let Some((_, task)) = pg.take() {
                     task.abort();
                 }

@@ -28,7 +28,7 @@ pub struct Health {
     /// poller every poll, read by `/metrics`, `/readyz` and the mode answer: never per request).
     drain: Mutex<DrainWindow>,
     /// The dependencies' own health, sampled every few seconds (`dependencies.rs`).
-    pub deps: super::dependencies::Dependencies,
+    pub deps: Arc<super::dependencies::Dependencies>,
 }
 
 impl Health {

@@ -318,7 +318,7 @@ fn spawn_tasks(
     let dependencies = dependencies::poll(
         log.clone(),
         config.pg_url.clone(),
-        Arc::clone(&control.health),
+        Arc::clone(&control.health.deps),
         Duration::from_millis(dependencies::DEPENDENCY_POLL_MS),
         stop.clone(),
     );
