@@ -516,8 +516,10 @@ fn sku_funnel_settings(
     pins: &[(crate::logic::placement::SkuKey, usize)],
 ) -> Result<crate::logic::sku_funnel::SkuFunnelConfig, ConfigError> {
     let invalid = |message: String| ConfigError::Invalid { name: "[metrics]", message };
-    let mut config = crate::logic::sku_funnel::SkuFunnelConfig::default();
-    config.hot = pins.iter().map(|(key, _)| *key).collect();
+    let mut config = crate::logic::sku_funnel::SkuFunnelConfig {
+        hot: pins.iter().map(|(key, _)| *key).collect(),
+        ..Default::default()
+    };
     for entry in section.hot_skus.unwrap_or_default() {
         let key = entry.split_once(':').and_then(|(a, s)| {
             Some(crate::logic::placement::SkuKey::new(

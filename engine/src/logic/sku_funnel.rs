@@ -263,7 +263,7 @@ impl SkuFunnel {
                 }
             }
         }
-        merged.sort_by(|a, b| b.1.cmp(&a.1));
+        merged.sort_by_key(|entry| std::cmp::Reverse(entry.1));
         for (key, n) in merged {
             if n < self.promote_min_events {
                 break;
