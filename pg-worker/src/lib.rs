@@ -15,6 +15,7 @@
 //!   NAK with backoff, dead letter) and the event each outcome announces;
 //!   `compensation`: THE rule of which Redis effects each rejection undoes;
 //! - `outbox`: `SKIP LOCKED` batches of `event_outbox` to `SECKILL_EVENTS`;
+//! - `pg_stats`: the primary's replication, lock waits and connections (dependency metrics)
 //! - `payments`: callbacks, cancel, the closer; `payment_unknown`: orders held PAYMENT_UNKNOWN
 //!   without a provider to ask; `payment_statement` (sans-I/O) and `payment_reconcile`: the
 //!   provider's statement compared with, and applied through, the payment state machine;
@@ -56,6 +57,7 @@ pub mod payment_reconcile;
 pub mod payment_statement;
 pub mod payment_unknown;
 pub mod payments;
+pub mod pg_stats;
 pub mod pitr;
 pub mod plan;
 pub mod pool;

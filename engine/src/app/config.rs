@@ -79,6 +79,9 @@ pub struct Config {
     pub http: HttpSettings,
     /// `[payments]`: the provider the closer asks before closing an order (validated).
     pub payments: PaymentsSettings,
+    /// `[metrics]`: the SKUs with funnel series of their own (the pinned SKUs first, then
+    /// `hot_skus`), their bound and the promotion threshold (validated).
+    pub sku_funnel: crate::logic::sku_funnel::SkuFunnelConfig,
 }
 
 /// `[payments]`: the payment provider's status endpoint, which the worker's closer asks (a
@@ -299,6 +302,17 @@ struct FileConfig {
     log: Option<LogSection>,
     worker: Option<WorkerSection>,
     payments: Option<PaymentsSection>,
+    metrics: Option<MetricsSection>,
+}
+
+/// `[metrics]`: see `logic::sku_funnel` (`hot_skus = ["10001:20001"]`, `sku_series_max`,
+/// `sku_promote_min_events`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricsSection {
+    hot_skus: Option<Vec<String>>,
+    sku_series_max: Option<usize>,
+    sku_promote_min_events: Option<u64>,
 }
 
 /// `[log]`: the replicated log's placement (the NATS URL itself is `[nats] url`).
@@ -448,6 +462,7 @@ impl Config {
             log,
             worker,
             payments,
+            metrics,
         } = file;
         let mut http_section = http.unwrap_or_default();
         let endpoints = layers.endpoints(redis, pg, nats, &mut http_section, admin)?;
@@ -482,9 +497,8 @@ impl Config {
             payment_key,
             admission,
             overload,
-            mode_state_file: layers
-                .optional("FLASHSALE_MODE_STATE_FILE", None)
-                .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from),
+            mode_state_file: layers.mode_state_file(),
+            sku_funnel: sku_funnel_settings(metrics.unwrap_or_default(), &engine.pins)?,
             pins: engine.pins,
             instance_id: engine.instance_id,
             log,
@@ -493,6 +507,40 @@ impl Config {
             payments,
         })
     }
+}
+
+/// `[metrics]`: the pinned SKUs are hot (an operator pinned them for their traffic), then
+/// `hot_skus` (`"activity:sku"`); the bound and threshold checked by the funnel's own rule.
+fn sku_funnel_settings(
+    section: MetricsSection,
+    pins: &[(crate::logic::placement::SkuKey, usize)],
+) -> Result<crate::logic::sku_funnel::SkuFunnelConfig, ConfigError> {
+    let invalid = |message: String| ConfigError::Invalid { name: "[metrics]", message };
+    let mut config = crate::logic::sku_funnel::SkuFunnelConfig {
+        hot: pins.iter().map(|(key, _)| *key).collect(),
+        ..Default::default()
+    };
+    for entry in section.hot_skus.unwrap_or_default() {
+        let key = entry.split_once(':').and_then(|(a, s)| {
+            Some(crate::logic::placement::SkuKey::new(
+                a.trim().parse().ok()?,
+                s.trim().parse().ok()?,
+            ))
+        });
+        let key =
+            key.ok_or_else(|| invalid(format!("hot_skus: {entry:?} is not \"activity:sku\"")))?;
+        if !config.hot.contains(&key) {
+            config.hot.push(key);
+        }
+    }
+    if let Some(v) = section.sku_series_max {
+        config.series_max = v;
+    }
+    if let Some(v) = section.sku_promote_min_events {
+        config.promote_min_events = v;
+    }
+    config.validate().map_err(invalid)?;
+    Ok(config)
 }
 
 /// Where [`Config::load`] reads a setting, highest first: its flag, its `FLASHSALE_*`
@@ -518,6 +566,12 @@ struct Endpoints {
 }
 
 impl Layers<'_> {
+    /// `FLASHSALE_MODE_STATE_FILE`, default `var/modes.json`.
+    fn mode_state_file(&self) -> PathBuf {
+        self.optional("FLASHSALE_MODE_STATE_FILE", None)
+            .map_or_else(|| PathBuf::from("var/modes.json"), PathBuf::from)
+    }
+
     fn pick(
         &self,
         flag: &Option<String>,
@@ -1306,6 +1360,29 @@ mod tests {
             let err = Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path())
                 .unwrap_err();
             assert!(err.to_string().contains(name), "{body}: {err}");
+        }
+    }
+
+    #[test]
+    fn metrics_section_marks_hot_skus_after_the_pinned_ones() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("m.toml");
+        std::fs::write(
+            &path,
+            "[engine]\npins = [\"1:2=1\"]\n[metrics]\nhot_skus = [\"3:4\", \"1:2\"]\n\
+             sku_series_max = 8\nsku_promote_min_events = 5\n",
+        )
+        .expect("w");
+        let c =
+            Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path()).expect("c");
+        let key = crate::logic::placement::SkuKey::new;
+        assert_eq!(c.sku_funnel.hot, vec![key(1, 2), key(3, 4)]);
+        assert_eq!((c.sku_funnel.series_max, c.sku_funnel.promote_min_events), (8, 5));
+        for body in ["hot_skus = [\"3-4\"]", "sku_series_max = 33", "sku_promote_min_events = 0"] {
+            std::fs::write(&path, format!("[metrics]\n{body}\n")).expect("w");
+            let err = Config::load(Some(&path), &Env::new(), &Overrides::default(), dir.path())
+                .unwrap_err();
+            assert!(err.to_string().contains("[metrics]"), "{body}: {err}");
         }
     }
 }

@@ -145,6 +145,8 @@ pub fn edge_config(config: &crate::app::config::Config) -> anyhow::Result<EdgeCo
     // `[admission]` and `[overload]` (validated when the file was read).
     edge.admission = config.admission;
     edge.overload = config.overload;
+    // `[metrics]`: the SKUs with funnel series of their own.
+    edge.sku_funnel = config.sku_funnel.clone();
     Ok(edge)
 }
 
@@ -227,6 +229,8 @@ pub fn default_edge_config(redis: SocketAddr) -> EdgeConfig {
         // The budgets assume a sample at most two polls old (admission.rs, SloBasis).
         health_poll_ms: crate::logic::admission::SloBasis::MEASURED.lag_poll_ms,
         control: crate::durable::modes::ControlConfig::default(),
+        // `[metrics]` (and the pinned SKUs) replace it (`main`).
+        sku_funnel: crate::logic::sku_funnel::SkuFunnelConfig::default(),
         // `[engine] instance_id` / FLASHSALE_INSTANCE_ID replaces it (`main`).
         instance_id: crate::logic::ids::InstanceId::from_random(rand::random()),
     }
@@ -478,12 +482,14 @@ fn edge_shared(
     state: ControlState,
 ) -> Arc<EdgeShared> {
     let shard_count = config.shards;
+    let sku_funnel = crate::logic::sku_funnel::SkuFunnel::new(&config.edge.sku_funnel, shard_count);
     Arc::new(EdgeShared {
         config: config.edge,
         table,
         pass_keys: config.pass_keys,
         admin_token: config.admin_token,
         metrics: EdgeMetrics::new(shard_count),
+        sku_funnel,
         durable,
         draining: AtomicBool::new(false),
         stopping: AtomicBool::new(false),

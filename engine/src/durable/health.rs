@@ -6,8 +6,9 @@
 //!
 //! Not here: what admission decides from them (`logic::admission`).
 
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flashsale_io::jetstream::LogLag;
@@ -15,6 +16,7 @@ use flashsale_pg_worker::pool::{Connector, PgPoolConfig};
 
 use super::wait::pause;
 use crate::logic::admission::Backlog;
+use crate::logic::drain::{DrainRates, DrainSample, DrainWindow};
 
 /// What admission reads about the dependencies behind the log, written by [`poll_health`].
 #[derive(Debug, Default)]
@@ -22,6 +24,11 @@ pub struct Health {
     pub lag: LogLag,
     /// When this instance last completed a PostgreSQL round trip (ms since the epoch).
     pub pg_ok_at_ms: AtomicU64,
+    /// The backlog samples of the last 10 s, for the drain-time estimate (written by the
+    /// poller every poll, read by `/metrics`, `/readyz` and the mode answer: never per request).
+    drain: Mutex<DrainWindow>,
+    /// The dependencies' own health, sampled every few seconds (`dependencies.rs`).
+    pub deps: Arc<super::dependencies::Dependencies>,
 }
 
 impl Health {
@@ -31,6 +38,43 @@ impl Health {
             pending_count: self.lag.pending(),
             polled_at_ms: self.lag.polled_at_ms(),
         }
+    }
+
+    /// The consume and produce rates of `order-writer` and the drain-time estimate
+    /// (`logic::drain`; seed ch9 §7.8).
+    pub fn drain_rates(&self) -> DrainRates {
+        self.drain.lock().unwrap_or_else(|e| e.into_inner()).rates()
+    }
+
+    fn record_drain(&self, sample: DrainSample) {
+        self.drain.lock().unwrap_or_else(|e| e.into_inner()).push(sample);
+    }
+
+    /// `flashsale_backlog_drain_seconds` (0 empty, +Inf not draining, NaN unknown) and the two
+    /// rates behind it.
+    pub fn render_drain(&self, out: &mut String) {
+        let rates = self.drain_rates();
+        for (name, value) in [
+            ("flashsale_backlog_drain_seconds", rates.estimate.gauge()),
+            ("flashsale_order_writer_consume_per_second", rates.consume_per_s),
+            ("flashsale_order_writer_produce_per_second", rates.produce_per_s),
+        ] {
+            let _ = writeln!(out, "# TYPE {name} gauge\n{name} {}", prometheus_float(value));
+        }
+    }
+
+    /// The backlog and its drain estimate as `/readyz` and the mode answer show them.
+    pub fn drain_detail(&self) -> serde_json::Value {
+        let rates = self.drain_rates();
+        let finite = |v: f64| v.is_finite().then_some(v);
+        serde_json::json!({
+            "pending": self.lag.pending(),
+            "oldest_pending_age_ms": self.lag.oldest_pending_age_ms(),
+            "drain": rates.estimate.name(),
+            "drain_seconds": finite(rates.estimate.gauge()),
+            "consume_per_s": finite(rates.consume_per_s),
+            "produce_per_s": finite(rates.produce_per_s),
+        })
     }
 
     /// Milliseconds since the last PostgreSQL contact.
@@ -65,7 +109,12 @@ pub async fn poll_health(
             loop {
                 let now = crate::logic::clock::now_ms();
                 match tokio::time::timeout(every, log.poll_order_writer_lag(now)).await {
-                    Ok(Ok(sample)) => health.lag.store(sample, crate::logic::clock::now_ms()),
+                    Ok(Ok(sample)) => {
+                        let at_ms = crate::logic::clock::now_ms();
+                        health.lag.store(sample, at_ms);
+                        let (backlog, produced_total) = (sample.pending, sample.last_sequence);
+                        health.record_drain(DrainSample { at_ms, backlog, produced_total });
+                    }
                     Ok(Err(e)) => tracing::debug!(error = %e, "backlog poll failed"),
                     Err(_) => tracing::debug!("backlog poll timed out"),
                 }
@@ -81,6 +130,17 @@ pub async fn poll_health(
     };
     let postgres = ping_postgres(pg_url, health, every, stop);
     tokio::join!(backlog, postgres);
+}
+
+/// Prometheus' spelling of a float (`+Inf`, `NaN`).
+fn prometheus_float(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        v.to_string()
+    }
 }
 
 async fn ping_postgres(

@@ -10,6 +10,7 @@
 //! Not here: the order-writer and outbox publisher (`flashsale_pg_worker`, started beside it
 //! unless `--no-worker`).
 
+pub mod dependencies;
 pub mod error;
 pub mod health;
 pub mod lease;
@@ -314,6 +315,14 @@ fn spawn_tasks(
         stop.clone(),
     );
     tasks.push(tokio::spawn(poller));
+    let dependencies = dependencies::poll(
+        log.clone(),
+        config.pg_url.clone(),
+        Arc::clone(&control.health.deps),
+        Duration::from_millis(dependencies::DEPENDENCY_POLL_MS),
+        stop.clone(),
+    );
+    tasks.push(tokio::spawn(dependencies));
     if let Some((id, period)) = control.reconcile_lease.clone() {
         let lease = Arc::clone(&control.lease);
         let run = lease::run(log.clone(), lease::RECONCILE_LEASE, id, period, lease, stop.clone());

@@ -104,6 +104,8 @@ pub struct EdgeConfig {
     pub health_poll_ms: u64,
     /// The control key, where accepted mode snapshots persist, the mode rules.
     pub control: crate::durable::modes::ControlConfig,
+    /// Which SKUs have funnel series of their own (`[metrics]`, the pinned SKUs first).
+    pub sku_funnel: crate::logic::sku_funnel::SkuFunnelConfig,
     /// This process among the instances on one set of stores (generated request ids, the
     /// shards' log lines, the reconcile lease).
     pub instance_id: crate::logic::ids::InstanceId,

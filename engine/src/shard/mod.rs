@@ -14,7 +14,7 @@
 //! - the shard's background tasks: [`scanner`] (republish), [`sync`] (the owner's side of
 //!   `redis-sync`), [`refresh`] (activity snapshots, stale sold-out re-reads), [`replays`]
 //!   (the replay map after sell-out), [`reconcile`], [`failover`] (Redis failovers close
-//!   their SKUs until a reconcile passes);
+//!   their SKUs until a reconcile passes), [`dependency_poll`] (Redis' own health, shard 0);
 //! - [`routes`] (the route table), [`conn`] (the connection loop), [`tasks`] (the executor's
 //!   body: start, spawn, serve, stop).
 //!
@@ -24,6 +24,7 @@
 pub mod admin;
 pub mod config;
 pub mod conn;
+pub mod dependency_poll;
 pub mod failover;
 pub mod limiters;
 pub mod mesh;

@@ -50,6 +50,8 @@ use crate::durable::DurableRequest;
 use crate::logic::circuit::{Admit, CallOutcome, Circuit, CircuitState};
 use crate::logic::clock::now_ms;
 use crate::logic::metrics::ShardMetrics;
+use crate::logic::placement::SkuKey;
+use crate::logic::sku_funnel::Stage;
 use crate::logic::submit::Published;
 
 /// Under which `Nats-Msg-Id` a message goes out.
@@ -133,6 +135,11 @@ pub async fn publish_order(
     identity: MsgIdentity,
     origin: Origin,
 ) -> Published {
+    if origin == Origin::Submit {
+        // A fresh reservation: `reserve` answered CREATED (every submit publishes its own once).
+        let key = SkuKey::new(message.activity_id, message.sku_id);
+        path.shared.sku_funnel.count(path.id, key, Stage::Reserved);
+    }
     let call = match path.circuit.borrow_mut().allow(now_ms()) {
         Admit::Call(call) => call,
         Admit::Reject { .. } => return Published::NotAcked,

@@ -54,6 +54,7 @@ use flashsale_pg_worker::redis_rebuild::{
 use flashsale_pg_worker::sku::{self, SkuConfig};
 
 use super::state::Shard;
+use super::sync::{apply_all, Applying};
 use crate::logic::clock::now_ms;
 use crate::logic::placement::SkuKey;
 use crate::logic::rebuild::{plan, PlanNotes, Step};
@@ -240,7 +241,7 @@ async fn replay(
                 }
             }
             Step::Events(events) => {
-                let results = super::sync::apply_all(shard, events).await;
+                let results = apply_all(shard, events, Applying::Replay).await;
                 if let Some(Err(e)) = results.into_iter().find(Result::is_err) {
                     return Err(format!("replaying an event: {e}"));
                 }

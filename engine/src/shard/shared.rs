@@ -40,6 +40,9 @@ pub struct EdgeShared {
     pub health: Arc<crate::durable::health::Health>,
     /// Whether this instance holds the reconcile lease (kept by the durable side).
     pub reconcile_lease: Arc<crate::durable::lease::Lease>,
+    /// The funnel per hot SKU (`logic::sku_funnel`): each shard counts into its own lines,
+    /// `/metrics` promotes the top SKUs into free slots and renders it.
+    pub sku_funnel: crate::logic::sku_funnel::SkuFunnel,
     /// Renders the durable side's `metrics` crate recorder, if one is installed.
     pub render_extra: Option<Box<dyn Fn() -> String + Send + Sync>>,
 }

@@ -134,6 +134,8 @@ async fn submit<'b>(
         return (SubmitAnswer::retry(SubmitOutcome::RateLimited, retry_ms), Some(request_id));
     }
     let answer = submit_checked(deps, request, &submit, pass.user_id).await;
+    let key = SkuKey::new(submit.activity_id.0, submit.sku_id.0);
+    deps.shared.sku_funnel.count_answer(deps.id, key, answer.outcome);
     (answer, Some(request_id))
 }
 

@@ -15,7 +15,7 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 
 use flashsale_io::redis::script::{
-    ApplyResultArgs, CompensateArgs, CompensateReply, FinalOutcome, ScriptError,
+    ApplyResultArgs, ApplyResultReply, CompensateArgs, CompensateReply, FinalOutcome, ScriptError,
 };
 use flashsale_io::wire::{Compensation, EventAction, ReservationEvent, ORDER_CANCELLED_REASON};
 use tokio::sync::mpsc;
@@ -25,11 +25,26 @@ use crate::durable::sync::{NotApplied, SyncRequest};
 use crate::durable::DurableRequest;
 use crate::logic::clock::now_ms;
 use crate::logic::placement::SkuKey;
+use crate::logic::sku_funnel::Stage;
+
+/// Whose events [`apply_all`] applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applying {
+    /// redis-sync's: each a new fact, counted in the metrics.
+    Live,
+    /// A rebuild's replay of history (`rebuild.rs`): the same writes, counted nowhere (they
+    /// were counted when they happened).
+    Replay,
+}
 
 /// Applies the events of one request to Redis and the local flags; one result per event, in
 /// order. The final outcomes go first, one `apply_results` call per SKU (a fetch's events for
 /// a SKU in one round trip), then the compensations, each after its event's outcome.
-pub async fn apply_all(shard: &Shard, events: &[ReservationEvent]) -> Vec<Result<(), String>> {
+pub async fn apply_all(
+    shard: &Shard,
+    events: &[ReservationEvent],
+    applying: Applying,
+) -> Vec<Result<(), String>> {
     let actions: Vec<Option<EventAction<'_>>> = events
         .iter()
         .map(|event| {
@@ -50,7 +65,7 @@ pub async fn apply_all(shard: &Shard, events: &[ReservationEvent]) -> Vec<Result
         };
         Some((i, outcome))
     });
-    apply_results(shard, events, outcomes.collect(), &mut results).await;
+    apply_results(shard, events, outcomes.collect(), &mut results, applying).await;
     let compensations = actions.iter().enumerate().filter_map(|(i, action)| {
         let (reason_code, compensation) = match (*action)? {
             EventAction::Compensate { reason, compensation } => {
@@ -64,7 +79,7 @@ pub async fn apply_all(shard: &Shard, events: &[ReservationEvent]) -> Vec<Result
     });
     let compensated = compensations
         .map(|(i, reason_code, compensation)| async move {
-            (i, compensate(shard, &events[i], reason_code, compensation).await)
+            (i, compensate(shard, &events[i], reason_code, compensation, applying).await)
         })
         .collect::<Vec<_>>();
     for (i, result) in futures::future::join_all(compensated).await {
@@ -80,6 +95,7 @@ async fn apply_results(
     events: &[ReservationEvent],
     outcomes: Vec<(usize, FinalOutcome<'_>)>,
     results: &mut [Result<(), String>],
+    applying: Applying,
 ) {
     let mut per_sku: Vec<(SkuKey, Vec<(usize, ApplyResultArgs<'_>)>)> = Vec::new();
     let now = now_ms();
@@ -111,7 +127,10 @@ async fn apply_results(
             Ok(replies) => {
                 for ((i, args), reply) in batch.iter().zip(replies) {
                     results[*i] = match reply {
-                        Ok(_) => {
+                        Ok(applied) => {
+                            if applying == Applying::Live {
+                                count_order(shard, &events[*i], args.outcome, applied);
+                            }
                             // Its outcome is in Redis now: no mark of its message is needed.
                             shard.publish.outcome_recorded(args.reservation_id);
                             Ok(())
@@ -126,6 +145,21 @@ async fn apply_results(
                 }
             }
         }
+    }
+}
+
+/// An order's outcome recorded for the first time counts in the SKU's funnel (a repeat of the
+/// same event answers `Already` and is not counted again).
+fn count_order(
+    shard: &Shard,
+    event: &ReservationEvent,
+    outcome: FinalOutcome<'_>,
+    applied: ApplyResultReply,
+) {
+    if matches!(outcome, FinalOutcome::OrderCreated { .. }) && applied == ApplyResultReply::Applied
+    {
+        let key = SkuKey::new(event.activity_id, event.sku_id);
+        shard.shared.sku_funnel.count(shard.id, key, Stage::Orders);
     }
 }
 
@@ -159,6 +193,7 @@ async fn compensate(
     event: &ReservationEvent,
     reason_code: &str,
     compensation: Compensation,
+    applying: Applying,
 ) -> Result<(), ScriptError> {
     let key = SkuKey::new(event.activity_id, event.sku_id);
     let keys = shard.store.sku_keys(key);
@@ -173,7 +208,10 @@ async fn compensate(
     };
     let reply = shard.store.functions.compensate(&keys, &args).await?;
     let CompensateReply::Applied { stock_after } = reply else { return Ok(()) };
-    shard.metrics().compensations.fetch_add(1, Ordering::Relaxed);
+    if applying == Applying::Live {
+        shard.metrics().compensations.fetch_add(1, Ordering::Relaxed);
+        shard.shared.sku_funnel.count(shard.id, key, Stage::Compensations);
+    }
     if compensation.return_stock && stock_after > 0 {
         if let Some(update) = shard.owner.borrow_mut().on_stock_returned(key) {
             shard.mesh.broadcast(update);
@@ -217,7 +255,7 @@ async fn apply_unless_held(
         events.into_iter().zip(&held).partition(|(_, held)| **held);
     drop(held_events);
     let applied: Vec<ReservationEvent> = applied.into_iter().map(|(e, _)| e).collect();
-    let mut results = apply_all(shard, &applied).await.into_iter();
+    let mut results = apply_all(shard, &applied, Applying::Live).await.into_iter();
     held.iter()
         .map(|held| match held {
             true => Err(NotApplied::Held),

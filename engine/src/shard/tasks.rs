@@ -22,7 +22,7 @@ use super::shared::EdgeShared;
 use super::state::Shard;
 use super::store::Store;
 use super::submit::{self, SubmitDeps};
-use super::{failover, reconcile, refresh, scanner, sync};
+use super::{dependency_poll, failover, reconcile, refresh, scanner, sync};
 use crate::logic::placement::SkuKey;
 
 /// Longest a stopping shard waits for requests in flight (each is bounded by its own Redis
@@ -71,6 +71,7 @@ pub async fn run(start: ShardStart) {
     failover::spawn(&shard);
     scanner::spawn(&shard, shared.config.scanner);
     reconcile::spawn(&shard);
+    dependency_poll::spawn(&shard);
     let Some(public) = bind(&shard, http_addr, admin_addr).await else {
         shared.stopping.store(true, Ordering::Relaxed);
         return;

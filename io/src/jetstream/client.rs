@@ -160,6 +160,12 @@ impl Log {
         PullSource::bind(&self.context, EVENTS_STREAM, REDIS_SYNC_CONSUMER).await
     }
 
+    /// Each stream's messages, bytes, byte limit and leader, and its consumers' pending counts
+    /// (the dependency metrics, `stats.rs`).
+    pub async fn poll_stats(&self) -> Vec<super::stats::StreamStats> {
+        super::stats::poll(&self.context).await
+    }
+
     /// Polls the `order-writer` backlog once (see [`LogLag`](super::lag::LogLag)).
     pub async fn poll_order_writer_lag(&self, now_ms: u64) -> Result<LagSample, LogError> {
         lag::poll(&self.context, ORDERS_STREAM, ORDER_WRITER_CONSUMER, now_ms).await

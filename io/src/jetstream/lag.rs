@@ -38,7 +38,8 @@ pub struct LagSample {
     /// Age of the oldest message not yet delivered to a worker (0 when none).
     pub oldest_pending_age_ms: u64,
     /// The stream's last sequence: every message published before the poll has one at most
-    /// this.
+    /// this. Also the messages ever published: with `pending`, the produce and consume rates
+    /// of the drain-time estimate (`engine::logic::drain`).
     pub last_sequence: u64,
     /// The consumer's ack floor: every message up to this sequence is settled (acked after its
     /// commit, or terminated into the dead letters).

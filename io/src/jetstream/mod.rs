@@ -26,6 +26,8 @@
 //!   from JetStream and readable through a cheap shared handle (the edge's admission);
 //!   [`Log::poll_placement`]: each replicated stream's configured and current replicas
 //!   (gauges `flashsale_log_stream_replicas{stream}` / `..._current{stream}`).
+//! - `stats.rs` — [`Log::poll_stats`]: each stream's messages, bytes, byte limit and leader,
+//!   its consumers' pending counts (the edge's dependency metrics).
 //!
 //! Replicas: every stream and the mode bucket get `LogConfig::replicas` copies (`[log]
 //! replicas`, 1 on one machine, 3 on a cluster); an existing stream is never lowered.
@@ -52,6 +54,7 @@ mod error;
 mod lag;
 mod names;
 mod publisher;
+mod stats;
 mod streams;
 
 /// The client crate, for callers (tests, tools) that inspect streams directly.
@@ -71,6 +74,7 @@ pub use names::{
     REDIS_SYNC_DLQ_SUBJECT, REPLICATED_STREAMS, STOCK_RETURNED_PREFIX, TRACEPARENT_HEADER,
 };
 pub use publisher::{event_msg_id, PublishAck, Publisher};
+pub use stats::{ConsumerStats, StreamStats};
 pub use streams::{
     dlq_stream_config, events_stream_config, leases_stream_config, modes_stream_config,
     orders_stream_config, pull_consumer_config,

@@ -7,11 +7,13 @@
 //! one enum per function mirroring its closed set of replies; [`reads`] holds every other
 //! command the engine needs (typed reads of meta, stock, requests, the active-SKU set,
 //! reconcile's reads); [`layout`] the plain data those return; [`settings`] the server's own
-//! eviction and persistence settings, read from every master at start.
+//! eviction and persistence settings, read from every master at start; [`info`] its memory,
+//! evictions and replication lag for the dependency metrics.
 //! No file outside this folder spells a Redis command or a key.
 pub mod cluster;
 pub mod connection;
 pub mod fence;
+pub mod info;
 pub mod layout;
 pub mod reads;
 pub mod router;

@@ -36,19 +36,25 @@ pub fn startupz(shared: &EdgeShared) -> (Status, String) {
 
 /// `GET /readyz`, with Redis' settings as read at start in `redis` (each master's
 /// `maxmemory_policy`, `appendonly`, `appendfsync`, `save`, and whether the eviction check is
-/// overridden): facts for the operator, never a reason to be unready.
+/// overridden) and the `order-writer` backlog with its drain-time estimate in `backlog`
+/// (`logic::drain`): facts for the operator, never a reason to be unready.
 pub fn readyz(shared: &EdgeShared) -> (Status, String) {
     let ready = shared.is_ready();
     let status = if ready { Status::Ok } else { Status::ServiceUnavailable };
     let redis = shared.redis_facts.get().map(|f| f.readyz_detail());
-    (status, json!({ "ready": ready, "redis": redis }).to_string())
+    let backlog = shared.health.drain_detail();
+    (status, json!({ "ready": ready, "redis": redis, "backlog": backlog }).to_string())
 }
 
 /// `GET /metrics`: every shard's counters, the mode and lease gauges, the durable side's.
 pub fn metrics(shared: &EdgeShared) -> (Status, String) {
     let mut text = String::with_capacity(16 * 1024);
     shared.metrics.render(&mut text);
+    shared.sku_funnel.promote();
+    shared.sku_funnel.render(&mut text);
     render_mode(shared, &mut text);
+    shared.health.render_drain(&mut text);
+    shared.health.deps.render(&mut text);
     if let Some(facts) = shared.redis_facts.get() {
         facts.render_metrics(&mut text);
     }

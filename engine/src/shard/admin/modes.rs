@@ -34,8 +34,17 @@ pub async fn post_mode(shared: &EdgeShared, body: &[u8]) -> (Status, String) {
         "mode": snapshot.mode.name(),
         "admit_percent": snapshot.mode.admit_percent(),
         "expires_at_ms": snapshot.expires_at_ms,
+        // Reopening (seed ch9 §7.8): does the backlog drain at the current rates? The
+        // operator who raises RECOVERING's share reads it here (advice, never a refusal).
+        "backlog": opens_submissions(snapshot.mode).then(|| shared.health.drain_detail()),
     });
     (Status::Ok, body.to_string())
+}
+
+/// Whether a mode lets new submissions in (the moment the drain estimate matters).
+fn opens_submissions(mode: crate::logic::modes::Mode) -> bool {
+    use crate::logic::modes::Mode;
+    matches!(mode, Mode::Normal | Mode::Recovering { .. } | Mode::ShedLoad { .. })
 }
 
 /// Checks, replicates and applies one signed snapshot (the steps of [`post_mode`]).
