@@ -30,6 +30,8 @@
 
 local ID_LEN_MAX = 128
 local CLAIM_BATCH_MAX = 512
+-- Most units one buyer may take in one order (io/src/bounds.rs QUANTITY_MAX).
+local QUANTITY_MAX = 100
 -- Reservations one mark_sent call marks (io/src/redis/script/mark_sent.rs MARK_SENT_MAX).
 local MARK_SENT_MAX = 256
 -- Outcomes one apply_results call applies (io/src/redis/script/apply_result.rs APPLY_RESULTS_MAX).
@@ -101,7 +103,7 @@ end
 --       5 resv:<reservation_id>,
 --       6 resv:pending, 7 soldout                      (all `seckill:{A:S}:`-prefixed)
 -- ARGV: 1 request_id, 2 user_id, 3 payload_hash, 4 reservation_id, 5 message_id, 6 now_ms,
---       7 pending_grace_ms
+--       7 pending_grace_ms, 8 quantity (1..QUANTITY_MAX: the units asked, all or none)
 -- Reply: always the flat array
 --   [code, reservation_id, message_id, state, order_id, reason_code, stock_after, expires_at]
 --   with "" for absent strings; stock_after is an integer: stock left after this call for
@@ -113,20 +115,25 @@ end
 --                          order_id and reason_code (nothing written)
 --     IDEMPOTENCY_CONFLICT same request_id, different payload_hash (nothing written)
 --     ACTIVITY_INVALID     reason_code = UNKNOWN (no meta) | NOT_STARTED | ENDED | <meta.status>
+--     OVER_LIMIT           quantity > meta.max_per_buyer (1 when absent); reason_code = the
+--                          limit (nothing written)
 --     DUPLICATE_USER       reservation_id = the reservation this user already holds
 --     SOLD_OUT             stock missing or <= 0 (sets soldout)
+--     FEWER_LEFT           0 < stock < quantity: stock_after = the units left; nothing written
+--                          (soldout not set: a smaller quantity can still be reserved)
 -- Order of checks is the contract: idempotency first (a replay is answered even after the
--- activity ended or sold out), then activity, user, stock.
--- Invariants: stock never goes below 0 (DECR only after reading stock > 0, atomically); one
--- user key per user per SKU; only creating requests are recorded, so the number of req/resv
--- records is bounded by the initial stock; every CREATED reservation is in resv:pending.
+-- activity ended or sold out), then activity, limit, user, stock.
+-- Invariants: stock never goes below 0 (DECRBY quantity only after reading stock >= quantity,
+-- atomically); a reservation takes all its units or none; one user key per user per SKU; only
+-- creating requests are recorded, so the number of req/resv records is bounded by the initial
+-- stock; every CREATED reservation is in resv:pending, its `quantity` in its resv hash.
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
 local function reserve(keys, args)
-  if #keys ~= 7 or #args ~= 7 then return bad('arity') end
+  if #keys ~= 7 or #args ~= 8 then return bad('arity') end
   local request_id, user_id, payload_hash = args[1], args[2], args[3]
   local reservation_id, message_id = args[4], args[5]
-  local now_ms, grace_ms = uint(args[6]), uint(args[7])
+  local now_ms, grace_ms, quantity = uint(args[6]), uint(args[7]), uint(args[8])
   if not id_ok(request_id) then return bad('request_id') end
   if not id_num(user_id) then return bad('user_id') end
   if not id_ok(payload_hash) then return bad('payload_hash') end
@@ -134,6 +141,7 @@ local function reserve(keys, args)
   if not id_ok(message_id) then return bad('message_id') end
   if not now_ms then return bad('now_ms') end
   if not grace_ms then return bad('pending_grace_ms') end
+  if not quantity or quantity < 1 or quantity > QUANTITY_MAX then return bad('quantity') end
   local p = prefix_of(keys[1], 'meta')
   if not p or keys[2] ~= p .. 'stock' or keys[3] ~= p .. 'user:' .. user_id
       or keys[4] ~= p .. 'req:' .. user_id .. ':' .. request_id
@@ -155,7 +163,8 @@ local function reserve(keys, args)
 
   -- 2. Activity status and window. Read on every call, never from a copy the caller holds:
   -- an operator's end or terminate stops new reservations at once, on every instance.
-  local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms', 'reservation_ttl_ms')
+  local meta = redis.call('HMGET', keys[1], 'status', 'start_ms', 'end_ms', 'reservation_ttl_ms',
+    'max_per_buyer')
   if not meta[1] then return { 'ACTIVITY_INVALID', '', '', '', '', 'UNKNOWN', -1, -1 } end
   if meta[1] ~= 'ACTIVE' then return { 'ACTIVITY_INVALID', '', '', '', '', meta[1], -1, -1 } end
   local start_ms, end_ms, ttl_ms = uint(meta[2]), uint(meta[3]), uint(meta[4])
@@ -165,6 +174,8 @@ local function reserve(keys, args)
     return { 'ACTIVITY_INVALID', '', '', '', '', 'NOT_STARTED', -1, -1 }
   end
   if now_ms >= end_ms then return { 'ACTIVITY_INVALID', '', '', '', '', 'ENDED', -1, -1 } end
+  local limit = uint(meta[5]) or 1
+  if quantity > limit then return { 'OVER_LIMIT', '', '', '', '', fmt(limit), -1, -1 } end
 
   -- 3. One reservation per user, and 4. stock. Stock is read first so that a unit left costs
   -- one command for both checks: the user marker is claimed with `SET NX GET`, which answers
@@ -172,9 +183,10 @@ local function reserve(keys, args)
   -- the sold-out path (the common one once sold out) writes nothing to replicate or append.
   -- Either way a buyer who holds a reservation is told DUPLICATE_USER before SOLD_OUT.
   local stock = tonumber(redis.call('GET', keys[2]))
-  if not stock or stock <= 0 then
+  if not stock or stock < quantity then
     local held = redis.call('GET', keys[3])
     if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1, -1 } end
+    if stock and stock > 0 then return { 'FEWER_LEFT', '', '', '', '', '', stock, -1 } end
     if redis.call('EXISTS', keys[7]) == 0 then redis.call('SET', keys[7], '1') end
     return { 'SOLD_OUT', '', '', '', '', '', 0, -1 }
   end
@@ -182,7 +194,7 @@ local function reserve(keys, args)
   if held then return { 'DUPLICATE_USER', held, '', '', '', '', -1, -1 } end
 
   -- 5. Create (the user marker is written above).
-  local stock_after = redis.call('DECR', keys[2])
+  local stock_after = redis.call('DECRBY', keys[2], quantity)
   local next_retry_at = fmt(now_ms + grace_ms)
   local expires_at = now_ms + ttl_ms
   redis.call('HSET', keys[4], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
@@ -191,7 +203,8 @@ local function reserve(keys, args)
   redis.call('HSET', keys[5], 'reservation_id', reservation_id, 'message_id', message_id,
     'request_id', request_id, 'user_id', user_id, 'status', 'PENDING_MESSAGE',
     'payload_hash', payload_hash, 'reserved_at', args[6], 'expires_at', fmt(expires_at),
-    'send_attempts', '0', 'next_retry_at', next_retry_at, 'last_error_code', '')
+    'send_attempts', '0', 'next_retry_at', next_retry_at, 'last_error_code', '',
+    'quantity', args[8])
   redis.call('ZADD', keys[6], next_retry_at, reservation_id)
   if stock_after <= 0 then redis.call('SET', keys[7], '1') end
   return { 'CREATED', reservation_id, message_id, 'QUEUED_PENDING', '', '', stock_after,
@@ -288,11 +301,12 @@ end
 --        next_retry_at = now_ms + min(backoff_max_ms, backoff_base_ms * 2^(send_attempts - 1)),
 --        written to resv and as the pending score; reported as claimed.
 -- Reply: [claimed_count, stuck_count,
---         then per claimed entry 9 bulk strings: reservation_id, message_id, request_id,
+--         then per claimed entry 10 bulk strings: reservation_id, message_id, request_id,
 --           user_id, payload_hash, reserved_at, expires_at, send_attempts (after the bump),
---           status (PENDING_MESSAGE | MESSAGE_SENT),
+--           status (PENDING_MESSAGE | MESSAGE_SENT), quantity (1 for a record written
+--           before quantities),
 --         then stuck_count reservation ids]
---   i.e. length 2 + 9 * claimed_count + stuck_count; counts are integers.
+--   i.e. length 2 + 10 * claimed_count + stuck_count; counts are integers.
 -- Invariants: a claimed entry stays in pending with a later score, so a scanner that dies
 -- after claiming loses nothing; nothing leaves pending without either a final status or a
 -- stuck record; stock, users and requests are never touched.
@@ -318,14 +332,15 @@ local function claim_due(keys, args)
     local id = due[i]
     local rkey = prefix .. 'resv:' .. id
     local r = redis.call('HMGET', rkey, 'status', 'reserved_at', 'message_id', 'request_id',
-      'user_id', 'payload_hash', 'expires_at', 'send_attempts')
+      'user_id', 'payload_hash', 'expires_at', 'send_attempts', 'quantity')
     local status = r[1]
     if not status or FINAL[status] then
       redis.call('ZREM', keys[1], id)
     else
       local reserved_at = uint(r[2])
+      local quantity = r[9] or '1'
       local valid = CLAIMABLE[status] and reserved_at and id_ok(r[3]) and id_ok(r[4])
-        and id_num(r[5]) and id_ok(r[6]) and uint(r[7])
+        and id_num(r[5]) and id_ok(r[6]) and uint(r[7]) and uint(quantity)
       local stuck_code = nil
       if not valid then
         stuck_code = 'INVALID_RECORD'
@@ -354,11 +369,12 @@ local function claim_due(keys, args)
         claimed[n + 7] = r[7]
         claimed[n + 8] = fmt(attempts)
         claimed[n + 9] = status
+        claimed[n + 10] = quantity
       end
     end
   end
 
-  local reply = { #claimed / 9, #stuck }
+  local reply = { #claimed / 10, #stuck }
   for i = 1, #claimed do reply[#reply + 1] = claimed[i] end
   for i = 1, #stuck do reply[#reply + 1] = stuck[i] end
   return reply
@@ -509,13 +525,14 @@ end
 --
 -- KEYS: 1 comp:<reservation_id>, 2 stock, 3 user:<user_id>, 4 resv:<reservation_id>,
 --       5 req:<user_id>:<request_id>, 6 resv:pending, 7 soldout, 8 resv:stuck
--- ARGV: 1 reservation_id, 2 return_stock (0|1), 3 release_user (0|1), 4 reason_code, 5 now_ms
+-- ARGV: 1 reservation_id, 2 return_stock (0|1), 3 release_user (0|1), 4 reason_code, 5 now_ms,
+--       6 units (1..QUANTITY_MAX: the reservation's quantity, what return_stock gives back)
 -- Reply: [code, stock] where stock is the integer stock after the call (0 if the key is missing)
 --   ALREADY_APPLIED  comp marker exists: this reservation was compensated before; no effect
 --   APPLIED          SET comp (value = `<reason_code>|<1 if stock was returned, else 0>`, so
 --                    reconcile can count units from the marker alone; no expiry: an expiring
---                    marker would allow a second return); return_stock=1 -> INCR stock,
---                    DEL soldout;
+--                    marker would allow a second return); return_stock=1 -> INCRBY stock
+--                    units, DEL soldout;
 --                    release_user=1 -> DEL user key only if it still holds THIS reservation_id
 --                    (the user may hold a newer reservation); resv (if present) status =
 --                    COMPENSATED, last_error_code = reason_code, finished_at = now_ms;
@@ -527,14 +544,16 @@ end
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
 local function compensate(keys, args)
-  if #keys ~= 8 or #args ~= 5 then return bad('arity') end
+  if #keys ~= 8 or #args ~= 6 then return bad('arity') end
   local reservation_id, reason_code = args[1], args[4]
   local return_stock, release_user, now_ms = flag(args[2]), flag(args[3]), uint(args[5])
+  local units = uint(args[6])
   if not id_ok(reservation_id) then return bad('reservation_id') end
   if return_stock == nil then return bad('return_stock') end
   if release_user == nil then return bad('release_user') end
   if not id_ok(reason_code) then return bad('reason_code') end
   if not now_ms then return bad('now_ms') end
+  if not units or units < 1 or units > QUANTITY_MAX then return bad('units') end
   local p = prefix_of(keys[2], 'stock')
   if not p or keys[1] ~= p .. 'comp:' .. reservation_id or not starts_with(keys[3], p .. 'user:')
       or keys[4] ~= p .. 'resv:' .. reservation_id or not starts_with(keys[5], p .. 'req:')
@@ -551,7 +570,7 @@ local function compensate(keys, args)
   redis.call('SET', keys[1], reason_code .. '|' .. returned)
   local stock
   if return_stock then
-    stock = redis.call('INCR', keys[2])
+    stock = redis.call('INCRBY', keys[2], units)
     redis.call('DEL', keys[7])
   else
     stock = tonumber(redis.call('GET', keys[2])) or 0
@@ -576,10 +595,11 @@ end
 --
 -- KEYS: 1 meta, 2 stock, 3 soldout
 -- ARGV: 1 status (PENDING | ACTIVE | ENDED | TERMINATED), 2 start_ms, 3 end_ms (> start_ms),
---       4 version, 5 reservation_ttl_ms (>= 1), 6 stock
+--       4 version, 5 reservation_ttl_ms (>= 1), 6 stock, 7 max_per_buyer (1..QUANTITY_MAX)
 -- Reply: [code, version] (integer)
 --   APPLIED  meta was missing or ARGV version > meta.version: meta = {status, start_ms, end_ms,
---            version, reservation_ttl_ms}; stock SET only if absent (NX), and on that first set
+--            version, reservation_ttl_ms, max_per_buyer}; stock SET only if absent (NX), and on
+--            that first set
 --            soldout is set iff stock <= 0 (and deleted otherwise); version = ARGV version
 --   STALE    meta.version >= ARGV version (an equal version is STALE too: callers compare
 --            current_version with their own to tell "already installed" from "newer exists");
@@ -589,23 +609,24 @@ end
 -- Complexity: O(1).
 -- ---------------------------------------------------------------------------------------------
 local function preheat(keys, args)
-  if #keys ~= 3 or #args ~= 6 then return bad('arity') end
+  if #keys ~= 3 or #args ~= 7 then return bad('arity') end
   local status = args[1]
   local start_ms, end_ms, version = uint(args[2]), uint(args[3]), uint(args[4])
-  local ttl_ms, stock = uint(args[5]), uint(args[6])
+  local ttl_ms, stock, limit = uint(args[5]), uint(args[6]), uint(args[7])
   if not ACTIVITY_STATUS[status] then return bad('status') end
   if not start_ms then return bad('start_ms') end
   if not end_ms or end_ms <= start_ms then return bad('end_ms') end
   if not version then return bad('version') end
   if not ttl_ms or ttl_ms < 1 then return bad('reservation_ttl_ms') end
   if not stock then return bad('stock') end
+  if not limit or limit < 1 or limit > QUANTITY_MAX then return bad('max_per_buyer') end
   local p = prefix_of(keys[1], 'meta')
   if not p or keys[2] ~= p .. 'stock' or keys[3] ~= p .. 'soldout' then return bad('keys') end
 
   local current = uint(redis.call('HGET', keys[1], 'version'))
   if current and version <= current then return { 'STALE', current } end
   redis.call('HSET', keys[1], 'status', status, 'start_ms', args[2], 'end_ms', args[3],
-    'version', args[4], 'reservation_ttl_ms', args[5])
+    'version', args[4], 'reservation_ttl_ms', args[5], 'max_per_buyer', args[7])
   if redis.call('SET', keys[2], args[6], 'NX') then
     if stock <= 0 then
       redis.call('SET', keys[3], '1')
@@ -671,8 +692,9 @@ end
 --                out)
 --   WIPE         none
 --   RESERVATION  4 request_id, 5 user_id, 6 payload_hash, 7 reservation_id, 8 message_id,
---                9 reserved_at, 10 expires_at, 11 next_retry_at
---   FINISH       4 status, 5 start_ms, 6 end_ms, 7 version, 8 reservation_ttl_ms
+--                9 reserved_at, 10 expires_at, 11 next_retry_at, 12 quantity
+--   FINISH       4 status, 5 start_ms, 6 end_ms, 7 version, 8 reservation_ttl_ms,
+--                9 max_per_buyer
 -- Reply: [code, stock] (stock: the integer stock after the call, 0 when missing); code:
 --   LIVE     meta exists: the SKU is whole (nothing changed)
 --   BUSY     another token holds the lock (BEGIN), or this token lost it (others): nothing
@@ -680,7 +702,7 @@ end
 --   OK       BEGIN: lock taken, pending, stuck and soldout deleted, stock set;
 --            WIPE: the keys deleted; RESERVATION: the reservation written as `reserve` writes
 --            a CREATED one whose message the log acknowledged (req QUEUED, resv MESSAGE_SENT,
---            in resv:pending at next_retry_at, one unit taken, the user marker claimed if
+--            in resv:pending at next_retry_at, its units taken, the user marker claimed if
 --            free), so the outcomes PostgreSQL announced replay onto it through apply_results
 --            and compensate exactly as they did the first time; FINISH: a stock the replay
 --            left below zero set to 0 (a history in which Redis once sold units PostgreSQL
@@ -708,7 +730,7 @@ local function restore_begin(keys, args)
 end
 
 local function restore_reservation(keys, args)
-  if #keys ~= 9 or #args ~= 11 then return bad('arity') end
+  if #keys ~= 9 or #args ~= 12 then return bad('arity') end
   local request_id, user_id, payload_hash = args[4], args[5], args[6]
   local reservation_id, message_id = args[7], args[8]
   if not id_ok(request_id) then return bad('request_id') end
@@ -719,13 +741,15 @@ local function restore_reservation(keys, args)
   for i = 9, 11 do
     if not uint(args[i]) then return bad('time') end
   end
+  local quantity = uint(args[12])
+  if not quantity or quantity < 1 or quantity > QUANTITY_MAX then return bad('quantity') end
   local p = prefix_of(keys[1], 'meta')
   if keys[7] ~= p .. 'user:' .. user_id or keys[8] ~= p .. 'req:' .. user_id .. ':' .. request_id
       or keys[9] ~= p .. 'resv:' .. reservation_id then
     return bad('keys')
   end
   redis.call('SET', keys[7], reservation_id, 'NX')
-  local stock_after = redis.call('DECR', keys[2])
+  local stock_after = redis.call('DECRBY', keys[2], quantity)
   if stock_after <= 0 then redis.call('SET', keys[3], '1') end
   redis.call('HSET', keys[8], 'payload_hash', payload_hash, 'reservation_id', reservation_id,
     'message_id', message_id, 'state', 'QUEUED', 'order_id', '', 'reason_code', '',
@@ -733,15 +757,15 @@ local function restore_reservation(keys, args)
   redis.call('HSET', keys[9], 'reservation_id', reservation_id, 'message_id', message_id,
     'request_id', request_id, 'user_id', user_id, 'status', 'MESSAGE_SENT',
     'payload_hash', payload_hash, 'reserved_at', args[9], 'expires_at', args[10],
-    'send_attempts', '0', 'next_retry_at', args[11], 'last_error_code', '')
+    'send_attempts', '0', 'next_retry_at', args[11], 'last_error_code', '', 'quantity', args[12])
   redis.call('ZADD', keys[5], args[11], reservation_id)
   return { 'OK', stock_after }
 end
 
 local function restore_finish(keys, args)
-  if #keys ~= 6 or #args ~= 8 then return bad('arity') end
+  if #keys ~= 6 or #args ~= 9 then return bad('arity') end
   if not ACTIVITY_STATUS[args[4]] then return bad('status') end
-  for i = 5, 8 do
+  for i = 5, 9 do
     if not uint(args[i]) then return bad('meta') end
   end
   local stock = restore_stock(keys)
@@ -751,7 +775,7 @@ local function restore_finish(keys, args)
   end
   if stock == 0 then redis.call('SET', keys[3], '1') else redis.call('DEL', keys[3]) end
   redis.call('HSET', keys[1], 'status', args[4], 'start_ms', args[5], 'end_ms', args[6],
-    'version', args[7], 'reservation_ttl_ms', args[8])
+    'version', args[7], 'reservation_ttl_ms', args[8], 'max_per_buyer', args[9])
   redis.call('DEL', keys[4])
   return { 'OK', stock }
 end

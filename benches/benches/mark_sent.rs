@@ -77,6 +77,7 @@ fn run(addr: SocketAddr, pid: u32, sku: u64, batch: usize, marks: usize) -> Samp
             version: 1,
             reservation_ttl_ms: 300_000,
             stock: marks as u64,
+            max_per_buyer: 1,
         };
         functions.preheat(&keys, &preheat).await.expect("preheat");
         let ids: Rc<Vec<u64>> = Rc::new((1..=marks as u64).collect());
@@ -145,6 +146,7 @@ async fn reserve(functions: &Functions, keys: &SkuKeys, n: u64) {
         message_id: &message_id,
         now_ms: T0 + 10,
         pending_grace_ms: 2_000,
+        quantity: 1,
     };
     let reply = functions.reserve(keys, &args).await.expect("reserve");
     assert!(matches!(reply, ReserveReply::Created { .. }), "{reply:?}");

@@ -101,6 +101,7 @@ fn with_functions<T: Send + 'static>(
                 version: 1,
                 reservation_ttl_ms: 300_000,
                 stock: 1_000_000_000,
+                max_per_buyer: 1,
             };
             f.preheat(keys, &args).await.expect("preheat");
         }
@@ -119,6 +120,7 @@ async fn reserve_one(f: &Functions, keys: &SkuKeys) {
         message_id: &msg,
         now_ms: T0,
         pending_grace_ms: 2_000,
+        quantity: 1,
     };
     let reply = f.reserve(keys, &args).await;
     assert!(matches!(reply, Ok(ReserveReply::Created { .. })), "{reply:?}");

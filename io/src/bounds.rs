@@ -43,6 +43,11 @@ pub const PAY_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
 /// Most units (inventory tokens) one SKU may have, created at once or by top-ups.
 pub const STOCK_MAX: u64 = 1_000_000;
 
+/// Most units one buyer may take in one order of one SKU (a SKU's `max_per_buyer` and a
+/// reservation's `quantity` are 1..=this): a flash sale's "limit N per customer" is a handful;
+/// 100 keeps a batch's units (× the writer's batch size) far from any integer bound.
+pub const QUANTITY_MAX: u32 = 100;
+
 /// Highest unit price in cents (ten billion currency units): any price × quantity fits a
 /// `bigint` many times over.
 pub const PRICE_CENTS_MAX: u64 = 1_000_000_000_000;

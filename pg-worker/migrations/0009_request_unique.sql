@@ -16,9 +16,9 @@
 --     REJECTED_DUPLICATE_USER: the buyer's intent was decided once. So the lookup of a request
 --     id (the query fallback, pg-worker/src/reservation_lookup.rs) finds the original.
 --   * Both order writers decide it before claiming a unit: flashsale_order_create below (step
---     2b), and the set-based planner from the positions REQUESTED_ELSEWHERE_SQL returns
---     (pg-worker/src/plan.rs, rule 2b). The unique key is the final guard, as the orders'
---     buyer key is for one order per buyer.
+--     2b), and the set-based planner (pg-worker/src/plan.rs, rule 2b) from the positions
+--     flashsale_order_facts returns (from 0010 on: r_requested_positions). The unique key is
+--     the final guard, as the orders' buyer key is for one order per buyer.
 --
 -- inventory_reservation_request_idx (0001) stays: every per-SKU read (reconcile, audit, the
 -- rebuild) uses it as its prefix index, which a partial index cannot serve.

@@ -14,7 +14,7 @@
 use tokio_postgres::Client;
 
 use crate::error::PgError;
-use crate::sku::{insert_sku, Allocator, SkuSpec};
+use crate::sku::{insert_sku, with_optional_fields, Allocator, SkuSpec};
 
 /// A validated `POST /admin/v1/activities` body, every default already applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,11 +29,13 @@ pub struct ActivitySpec {
     pub allocator: Allocator,
     /// The SKU's unit price; `None`: created without one (orders then carry no amount).
     pub price_cents: Option<i64>,
+    /// Units one buyer may take in his one order of the SKU (1 when the body names none).
+    pub max_per_buyer: i32,
 }
 
 impl ActivitySpec {
     /// The canonical text whose equality decides "same body" for idempotency (a body without
-    /// a price hashes as before prices existed).
+    /// a price, or with the default limit per buyer, hashes as before those existed).
     pub fn config_hash(&self) -> String {
         let base = format!(
             "v1|{}|{}|{}|{}|{}|{}|{}|{}",
@@ -46,10 +48,7 @@ impl ActivitySpec {
             self.pay_timeout_ms,
             self.allocator.as_str()
         );
-        match self.price_cents {
-            None => base,
-            Some(price) => format!("{base}|price={price}"),
-        }
+        with_optional_fields(base, self.price_cents, self.max_per_buyer)
     }
 }
 
@@ -117,6 +116,7 @@ pub async fn create_activity(
         stock: spec.stock,
         allocator: spec.allocator,
         price_cents: spec.price_cents,
+        max_per_buyer: spec.max_per_buyer,
     };
     insert_sku(&tx, &sku).await?;
     tx.commit().await?;

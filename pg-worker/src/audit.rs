@@ -6,16 +6,19 @@
 //! [`FINDINGS`] names the row sets behind the counts that have ids, so that the reconcile report
 //! (`reconcile.rs`) lists exactly the rows a count counted.
 //!
-//! - I1 no oversell: live orders (not CANCELLED/CLOSED) ≤ total stock; no token held by two
-//!   live orders; every live TOKEN order holds a CLAIMED/SOLD token claimed by its own
-//!   reservation; ROW: `available_stock` + live orders = total stock.
+//! Every count of units is per unit: an order holds `orders.quantity` units (migration 0010).
+//!
+//! - I1 no oversell: units of live orders (not CANCELLED/CLOSED) ≤ total stock; no token held
+//!   by two live orders; every live TOKEN order holds exactly its quantity of CLAIMED/SOLD
+//!   tokens claimed by its own reservation; ROW: `available_stock` + live units = total stock.
 //! - I2 one per buyer: no (activity, sku, user) with two orders.
 //! - I3 token conservation (TOKEN): tokens = total stock = AVAILABLE + CLAIMED + SOLD +
-//!   RELEASED, and held (CLAIMED + SOLD) tokens = live orders (a held token without an order
+//!   RELEASED, and held (CLAIMED + SOLD) tokens = live units (a held token without an order
 //!   is a leaked unit).
 //! - I7 ack after commit, from the database's side: no reservation committed in PROCESSING,
 //!   every ORDER_CREATED reservation has its order and every order its ORDER_CREATED
-//!   reservation, no order with two ledger CLAIMs (a replay that slipped through).
+//!   reservation, no reservation with more ledger CLAIMs than its units (a replay that
+//!   slipped through).
 //!
 //! What it is not: Redis (I4, I5) or the log: those need the other stores' view and live with
 //! the reconcile job. Read-only; runs in one statement, so it sees one snapshot.
@@ -37,6 +40,8 @@ pub struct InvariantReport {
     pub available_stock: Option<i64>,
     pub orders_total: i64,
     pub orders_live: i64,
+    /// The units of the live orders (their quantities summed).
+    pub units_live: i64,
     pub tokens_total: i64,
     pub tokens_available: i64,
     pub tokens_claimed: i64,
@@ -56,7 +61,7 @@ pub struct InvariantReport {
     pub reservations_rejected: i64,
     pub created_reservations_without_order: i64,
     pub orders_without_created_reservation: i64,
-    /// Reservations with more than one ledger CLAIM.
+    /// Reservations with more ledger CLAIMs than their units.
     pub duplicate_claims: i64,
     /// Every broken invariant, in words; empty when all hold.
     pub violations: Vec<String>,
@@ -84,16 +89,17 @@ macro_rules! tokens_shared_sql {
          GROUP BY inventory_token_id HAVING count(*) > 1"
     };
 }
-/// Held tokens (ids) that no live order holds.
+/// Held tokens (ids) no live order holds (their reservation has no live order).
 macro_rules! held_tokens_without_order_sql {
     () => {
         "SELECT t.token_id FROM inventory_token t \
          WHERE t.activity_id = $1 AND t.sku_id = $2 AND t.status IN ('CLAIMED', 'SOLD') \
-           AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.inventory_token_id = t.token_id \
+           AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.reservation_id = t.reservation_id \
                            AND o.status NOT IN ('CANCELLED', 'CLOSED'))"
     };
 }
-/// Live TOKEN orders (ids) whose token is not held for their reservation.
+/// Live TOKEN orders (ids) that do not hold exactly their quantity of tokens for their
+/// reservation (CLAIMED or SOLD), or whose first token is not among them.
 macro_rules! orders_without_held_token_sql {
     () => {
         "SELECT o.order_id FROM orders o \
@@ -102,7 +108,10 @@ macro_rules! orders_without_held_token_sql {
            AND (SELECT allocator FROM sku_inventory \
                 WHERE activity_id = $1 AND sku_id = $2) = 'TOKEN' \
            AND (t.token_id IS NULL OR t.status NOT IN ('CLAIMED', 'SOLD') \
-                OR t.reservation_id IS DISTINCT FROM o.reservation_id)"
+                OR t.reservation_id IS DISTINCT FROM o.reservation_id \
+                OR (SELECT count(*) FROM inventory_token h \
+                    WHERE h.reservation_id = o.reservation_id \
+                      AND h.status IN ('CLAIMED', 'SOLD')) <> o.quantity)"
     };
 }
 /// Buyers (user ids, as text) with more than one order.
@@ -136,12 +145,14 @@ macro_rules! orders_without_created_reservation_sql {
                              AND r.status = 'ORDER_CREATED')"
     };
 }
-/// Reservations (ids) with more than one ledger CLAIM.
+/// Reservations (ids) with more ledger CLAIMs than their units (one per unit, 0010).
 macro_rules! duplicate_claims_sql {
     () => {
-        "SELECT reservation_id FROM inventory_ledger \
-         WHERE activity_id = $1 AND sku_id = $2 AND kind = 'CLAIM' \
-         GROUP BY reservation_id HAVING count(*) > 1"
+        "SELECT l.reservation_id FROM inventory_ledger l \
+         WHERE l.activity_id = $1 AND l.sku_id = $2 AND l.kind = 'CLAIM' \
+         GROUP BY l.reservation_id \
+         HAVING count(*) > coalesce((SELECT r.quantity FROM inventory_reservation r \
+                                     WHERE r.reservation_id = l.reservation_id), 1)"
     };
 }
 
@@ -170,6 +181,8 @@ const CHECK_SQL: &str = concat!(
   (SELECT count(*) FROM orders WHERE activity_id = $1 AND sku_id = $2), \
   (SELECT count(*) FROM orders WHERE activity_id = $1 AND sku_id = $2 \
      AND status NOT IN ('CANCELLED', 'CLOSED')), \
+  (SELECT coalesce(sum(quantity), 0)::bigint FROM orders \
+     WHERE activity_id = $1 AND sku_id = $2 AND status NOT IN ('CANCELLED', 'CLOSED')), \
   (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2), \
   (SELECT count(*) FROM inventory_token WHERE activity_id = $1 AND sku_id = $2 \
      AND status = 'AVAILABLE'), \
@@ -222,22 +235,23 @@ pub async fn check_invariants(
         available_stock: row.try_get(3)?,
         orders_total: count(4)?,
         orders_live: count(5)?,
-        tokens_total: count(6)?,
-        tokens_available: count(7)?,
-        tokens_claimed: count(8)?,
-        tokens_sold: count(9)?,
-        tokens_released: count(10)?,
-        tokens_shared: count(11)?,
-        held_tokens_without_order: count(12)?,
-        orders_without_held_token: count(13)?,
-        duplicate_buyers: count(14)?,
-        reservations_total: count(15)?,
-        reservations_processing: count(16)?,
-        reservations_created: count(17)?,
-        reservations_rejected: count(18)?,
-        created_reservations_without_order: count(19)?,
-        orders_without_created_reservation: count(20)?,
-        duplicate_claims: count(21)?,
+        units_live: count(6)?,
+        tokens_total: count(7)?,
+        tokens_available: count(8)?,
+        tokens_claimed: count(9)?,
+        tokens_sold: count(10)?,
+        tokens_released: count(11)?,
+        tokens_shared: count(12)?,
+        held_tokens_without_order: count(13)?,
+        orders_without_held_token: count(14)?,
+        duplicate_buyers: count(15)?,
+        reservations_total: count(16)?,
+        reservations_processing: count(17)?,
+        reservations_created: count(18)?,
+        reservations_rejected: count(19)?,
+        created_reservations_without_order: count(20)?,
+        orders_without_created_reservation: count(21)?,
+        duplicate_claims: count(22)?,
         violations: Vec::new(),
     };
     report.violations = judge(&report);
@@ -260,10 +274,10 @@ pub fn judge(r: &InvariantReport) -> Vec<String> {
 
 /// I1 (no oversell) and I2 (one order per buyer).
 fn judge_oversell_and_buyers(r: &InvariantReport, v: &mut Vec<String>) {
-    if r.orders_live > r.total_stock {
+    if r.units_live > r.total_stock {
         v.push(format!(
-            "I1 oversell: {} live orders for a stock of {}",
-            r.orders_live, r.total_stock
+            "I1 oversell: {} units in {} live orders for a stock of {}",
+            r.units_live, r.orders_live, r.total_stock
         ));
     }
     if r.tokens_shared > 0 {
@@ -271,7 +285,7 @@ fn judge_oversell_and_buyers(r: &InvariantReport, v: &mut Vec<String>) {
     }
     if r.orders_without_held_token > 0 {
         v.push(format!(
-            "I1: {} live orders do not hold a token claimed for their reservation",
+            "I1: {} live orders do not hold their units' tokens claimed for their reservation",
             r.orders_without_held_token
         ));
     }
@@ -286,10 +300,10 @@ fn judge_conservation(r: &InvariantReport, v: &mut Vec<String>) {
         "TOKEN" => judge_tokens(r, v),
         "ROW" => {
             let available = r.available_stock.unwrap_or(-1);
-            if available < 0 || available + r.orders_live != r.total_stock {
+            if available < 0 || available + r.units_live != r.total_stock {
                 v.push(format!(
-                    "I1/I3 (ROW): available_stock {available} + live orders {} != total stock {}",
-                    r.orders_live, r.total_stock
+                    "I1/I3 (ROW): available_stock {available} + live units {} != total stock {}",
+                    r.units_live, r.total_stock
                 ));
             }
         }
@@ -297,7 +311,7 @@ fn judge_conservation(r: &InvariantReport, v: &mut Vec<String>) {
     }
 }
 
-/// I3 for the TOKEN allocator: tokens = stock = the sum of their states, held = live orders.
+/// I3 for the TOKEN allocator: tokens = stock = the sum of their states, held = live units.
 fn judge_tokens(r: &InvariantReport, v: &mut Vec<String>) {
     if r.tokens_total != r.total_stock {
         v.push(format!("I3: {} tokens for a total stock of {}", r.tokens_total, r.total_stock));
@@ -306,11 +320,11 @@ fn judge_tokens(r: &InvariantReport, v: &mut Vec<String>) {
     if by_status != r.tokens_total {
         v.push(format!("I3: token states sum to {by_status}, not {}", r.tokens_total));
     }
-    if r.tokens_claimed + r.tokens_sold != r.orders_live {
+    if r.tokens_claimed + r.tokens_sold != r.units_live {
         v.push(format!(
-            "I3: {} held tokens but {} live orders",
+            "I3: {} held tokens but {} live units",
             r.tokens_claimed + r.tokens_sold,
-            r.orders_live
+            r.units_live
         ));
     }
     if r.held_tokens_without_order > 0 {
@@ -336,7 +350,10 @@ fn judge_ack_after_commit(r: &InvariantReport, v: &mut Vec<String>) {
         ));
     }
     if r.duplicate_claims > 0 {
-        v.push(format!("I7: {} reservations claimed twice in the ledger", r.duplicate_claims));
+        v.push(format!(
+            "I7: {} reservations with more ledger CLAIMs than their units",
+            r.duplicate_claims
+        ));
     }
 }
 
@@ -351,13 +368,15 @@ mod tests {
             sku_found: true,
             allocator: "TOKEN".into(),
             total_stock: 10,
-            orders_total: 4,
-            orders_live: 4,
+            orders_total: 3,
+            orders_live: 3,
+            // Three orders, one of them of two units.
+            units_live: 4,
             tokens_total: 10,
             tokens_available: 6,
             tokens_claimed: 4,
-            reservations_total: 6,
-            reservations_created: 4,
+            reservations_total: 5,
+            reservations_created: 3,
             reservations_rejected: 2,
             ..Default::default()
         }
@@ -383,7 +402,7 @@ mod tests {
             (
                 "I1 oversell",
                 InvariantReport {
-                    orders_live: 11,
+                    units_live: 11,
                     tokens_claimed: 11,
                     tokens_available: -1,
                     ..healthy_token()
@@ -404,7 +423,7 @@ mod tests {
                 "without an order",
                 InvariantReport { created_reservations_without_order: 1, ..healthy_token() },
             ),
-            ("claimed twice", InvariantReport { duplicate_claims: 1, ..healthy_token() }),
+            ("more ledger CLAIMs", InvariantReport { duplicate_claims: 1, ..healthy_token() }),
             (
                 "(ROW)",
                 InvariantReport {

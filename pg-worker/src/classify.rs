@@ -29,8 +29,9 @@ use crate::compensation::RejectedEvent;
 /// transaction committed (see [`Attempt`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WriteOutcome {
-    /// Order created; the token it holds (none for the ROW allocator).
-    Created { order_id: String, token_id: Option<String>, claim_us: Option<i64> },
+    /// Order created; the tokens it holds, one per unit in seq order (none for the ROW
+    /// allocator).
+    Created { order_id: String, token_ids: Vec<String>, claim_us: Option<i64> },
     /// Reservation ended without an order.
     Rejected { reason: RejectReason, claim_us: Option<i64> },
     /// The inbox (or the reservation table) already had this message: nothing written; the
@@ -205,7 +206,7 @@ mod tests {
     }
 
     fn created() -> WriteOutcome {
-        WriteOutcome::Created { order_id: "ord_1".into(), token_id: None, claim_us: Some(5) }
+        WriteOutcome::Created { order_id: "ord_1".into(), token_ids: vec![], claim_us: Some(5) }
     }
 
     #[test]

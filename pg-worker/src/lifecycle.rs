@@ -43,6 +43,8 @@ pub struct SkuSnapshot {
     pub meta_version: i64,
     pub total_stock: i64,
     pub release_policy: String,
+    /// Units one buyer may take in his one order (`sku_inventory.max_per_buyer`).
+    pub max_per_buyer: i32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +97,8 @@ const SNAPSHOT_SQL: &str = "\
                 ELSE 'ACTIVE' END, \
            (extract(epoch FROM a.start_at) * 1000)::int8, \
            (extract(epoch FROM a.end_at) * 1000)::int8, \
-           a.reservation_ttl_ms, a.version + s.version - 1, s.total_stock, a.release_policy \
+           a.reservation_ttl_ms, a.version + s.version - 1, s.total_stock, a.release_policy, \
+           s.max_per_buyer \
     FROM sku_inventory s JOIN activity a ON a.activity_id = s.activity_id \
     WHERE s.activity_id = $1 AND ($2::int8 IS NULL OR s.sku_id = $2) \
     ORDER BY s.sku_id";
@@ -119,6 +122,7 @@ pub async fn snapshots(
             meta_version: row.get(6),
             total_stock: row.get(7),
             release_policy: row.get(8),
+            max_per_buyer: row.get(9),
         })
         .collect())
 }

@@ -90,6 +90,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "request_unique",
         sql: include_str!("../migrations/0009_request_unique.sql"),
     },
+    Migration {
+        version: 10,
+        name: "quantity",
+        sql: include_str!("../migrations/0010_quantity.sql"),
+    },
 ];
 
 // A malformed list is a build defect: catch it at compile time.

@@ -59,7 +59,7 @@ use crate::statements::{
 pub const BATCH_MAX: usize = 64;
 
 /// Parameters of `flashsale_order_create`.
-const ORDER_CREATE_PARAMS: usize = 12;
+const ORDER_CREATE_PARAMS: usize = 13;
 
 /// The per-message path over any number of messages, [`BATCH_MAX`] per transaction.
 pub(crate) async fn write_per_message_chunks(
@@ -150,6 +150,7 @@ async fn call_round(
                 &o.activity_id,
                 &o.sku_id,
                 &o.user_id,
+                &o.quantity,
                 &o.reserved_at,
                 &o.expires_at,
                 now,
@@ -226,6 +227,7 @@ struct OwnedParams {
     activity_id: i64,
     sku_id: i64,
     user_id: i64,
+    quantity: i32,
     reserved_at: SystemTime,
     expires_at: SystemTime,
     order_id: String,
@@ -241,6 +243,8 @@ impl OwnedParams {
             activity_id: bigint(message.activity_id),
             sku_id: bigint(message.sku_id),
             user_id: bigint(message.user_id),
+            // wire::OrderCreate::validate bounds it by QUANTITY_MAX.
+            quantity: i32::try_from(message.quantity).unwrap_or(i32::MAX),
             reserved_at: system_time(message.reserved_at_ms),
             expires_at: system_time(message.reservation_expires_at_ms),
             order_id: message.order_id(),
@@ -249,17 +253,18 @@ impl OwnedParams {
     }
 }
 
-/// For each message, how many messages of its SKU remain in the batch from it on (itself
-/// included): the units its call takes if it finds the transaction's pool of that SKU empty
-/// (see `migrations/0002_order_create.sql`, "Batch unit pools"). O(n²) over at most
-/// BATCH_MAX messages, no allocation per pair.
+/// For each message, how many units the messages of its SKU ask for in the batch from it on
+/// (itself included): what its call takes into the transaction's pool of that SKU when the
+/// pool holds fewer than its own quantity (see `migrations/0002_order_create.sql`, "Batch unit
+/// pools", and 0010). O(n²) over at most BATCH_MAX messages, no allocation per pair.
 fn pool_sizes(messages: &[&OrderCreate]) -> Vec<i32> {
     (0..messages.len())
         .map(|i| {
             let key = (messages[i].activity_id, messages[i].sku_id);
-            let same = messages[i..].iter().filter(|m| (m.activity_id, m.sku_id) == key).count();
-            // At most BATCH_MAX.
-            i32::try_from(same).unwrap_or(i32::MAX)
+            let same = messages[i..].iter().filter(|m| (m.activity_id, m.sku_id) == key);
+            let units: u64 = same.map(|m| u64::from(m.quantity)).sum();
+            // At most BATCH_MAX × QUANTITY_MAX.
+            i32::try_from(units).unwrap_or(i32::MAX)
         })
         .collect()
 }
@@ -268,13 +273,14 @@ fn outcome_from_row(row: &Row) -> Result<WriteOutcome, PgError> {
     let outcome: &str = row.try_get(0)?;
     let recorded: Option<&str> = row.try_get(1)?;
     let order_id: Option<String> = row.try_get(2)?;
-    let token_id: Option<String> = row.try_get(3)?;
+    let token_ids: Option<Vec<String>> = row.try_get(3)?;
+    let token_ids = token_ids.unwrap_or_default();
     let claim_us: Option<i64> = row.try_get(4)?;
     let missing_order = PgError::InvalidArgument("ORDER_CREATED without an order id");
     Ok(match outcome {
         "CONTENDED" => WriteOutcome::Contended,
         "ORDER_CREATED" => {
-            WriteOutcome::Created { order_id: order_id.ok_or(missing_order)?, token_id, claim_us }
+            WriteOutcome::Created { order_id: order_id.ok_or(missing_order)?, token_ids, claim_us }
         }
         "DUPLICATE" => WriteOutcome::Duplicate {
             recorded: match recorded {
@@ -333,5 +339,7 @@ mod tests {
         let (a, b) = (message(1), message(2));
         assert_eq!(pool_sizes(&[&a, &a, &b, &a, &b]), vec![3, 2, 2, 1, 1]);
         assert_eq!(pool_sizes(&[&a]), vec![1]);
+        let three = OrderCreate { quantity: 3, ..message(1) };
+        assert_eq!(pool_sizes(&[&a, &three, &b, &three]), vec![7, 6, 1, 3]);
     }
 }

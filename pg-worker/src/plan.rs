@@ -75,7 +75,7 @@ pub struct Facts {
     /// 0-based positions whose buyer already holds an order.
     pub ordered_positions: Vec<usize>,
     /// 0-based positions whose buyer's request id is recorded under another reservation that
-    /// is not `REJECTED_DUPLICATE_USER` (`sql::REQUESTED_ELSEWHERE_SQL`, rule 2b).
+    /// is not `REJECTED_DUPLICATE_USER` (`flashsale_order_facts`'s `r_requested_positions`, rule 2b).
     pub requested_positions: Vec<usize>,
     /// Every SKU the batch may claim from.
     pub skus: Vec<SkuFacts>,
@@ -142,8 +142,9 @@ pub struct FinalRow {
     pub status: &'static str,
     /// Set for `ORDER_CREATED`.
     pub order_id: Option<String>,
-    /// Set for `ORDER_CREATED` with the TOKEN allocator.
-    pub token_id: Option<String>,
+    /// `ORDER_CREATED` with the TOKEN allocator: its tokens, one per unit of the message's
+    /// quantity, in the order they were taken (seq order).
+    pub token_ids: Vec<String>,
 }
 
 /// What to write and what to answer.
@@ -298,49 +299,53 @@ impl<'m, 'f> Planner<'m, 'f> {
         let key = sku_key(m);
         let state = self.skus.get_mut(&key).ok_or(InconsistentFacts("no facts for a SKU"))?;
         let claim_us = state.claim_us;
-        let unit: Option<Option<&'f str>> = match &mut state.units {
+        // `wire::OrderCreate::validate` bounds it by QUANTITY_MAX; all or none of its units.
+        let wanted = m.quantity as usize;
+        let units: Option<Vec<&'f str>> = match &mut state.units {
             Units::Closed => {
                 let reason = RejectReason::ActivityTerminated;
                 return Ok(self.finish_rejected(position, m, reason, None));
             }
-            Units::Row { left, .. } => (*left > 0).then_some(None),
-            Units::Token { queue, contended } => match queue.front() {
-                Some(token) => Some(Some(*token)),
-                None if *contended => {
+            Units::Row { left, .. } => (*left >= wanted as u64).then(Vec::new),
+            Units::Token { queue, contended } if queue.len() < wanted => {
+                if *contended {
                     self.seen.insert(&m.message_id, Seen::Contended);
                     return Ok(WriteOutcome::Contended);
                 }
-                None => None,
-            },
+                None
+            }
+            Units::Token { queue, .. } => Some(queue.iter().take(wanted).copied().collect()),
         };
-        let Some(token) = unit else {
+        let Some(tokens) = units else {
             let reason = RejectReason::NoFinalStock;
             return Ok(self.finish_rejected(position, m, reason, claim_us));
         };
         if !self.ordered.insert(buyer(m)) && !self.bugs.skip_buyer_check {
-            // The unit stays where it was, for the next message of this SKU.
+            // The units stay where they were, for the next message of this SKU.
             let reason = RejectReason::DuplicateUser;
             return Ok(self.finish_rejected(position, m, reason, claim_us));
         }
         match &mut state.units {
             Units::Row { left, sold } => {
-                *left -= 1;
+                *left -= wanted as u64;
                 if !self.bugs.row_sale_uncounted {
-                    *sold += 1;
+                    *sold += wanted as i64;
                 }
             }
             Units::Token { queue, .. } => {
                 if !self.bugs.reuse_token {
-                    queue.pop_front();
+                    queue.drain(..wanted);
                 }
             }
             Units::Closed => return Err(InconsistentFacts("a closed SKU gave a unit")),
         }
-        let token = match token {
-            Some(_) if self.bugs.unlocked_token => Some(INJECTED_TOKEN),
-            token => token,
-        };
-        Ok(self.finish_created(position, m, token.map(str::to_owned), claim_us))
+        let mut tokens: Vec<String> = tokens.into_iter().map(str::to_owned).collect();
+        if self.bugs.unlocked_token {
+            if let Some(first) = tokens.first_mut() {
+                *first = INJECTED_TOKEN.to_owned();
+            }
+        }
+        Ok(self.finish_created(position, m, tokens, claim_us))
     }
 
     /// Rules 1 and 2: the message's inbox row or its reservation was seen before; `Some` is
@@ -401,7 +406,7 @@ impl<'m, 'f> Planner<'m, 'f> {
             position,
             status: reason.reservation_status(),
             order_id: None,
-            token_id: None,
+            token_ids: Vec::new(),
         });
         WriteOutcome::Rejected { reason, claim_us }
     }
@@ -410,7 +415,7 @@ impl<'m, 'f> Planner<'m, 'f> {
         &mut self,
         position: usize,
         m: &'m OrderCreate,
-        token_id: Option<String>,
+        token_ids: Vec<String>,
         claim_us: Option<i64>,
     ) -> WriteOutcome {
         let order_id = m.order_id();
@@ -421,9 +426,9 @@ impl<'m, 'f> Planner<'m, 'f> {
             position,
             status: ORDER_CREATED_STATUS,
             order_id: Some(order_id.clone()),
-            token_id: token_id.clone(),
+            token_ids: token_ids.clone(),
         });
-        WriteOutcome::Created { order_id, token_id, claim_us }
+        WriteOutcome::Created { order_id, token_ids, claim_us }
     }
 
     fn finish(mut self) -> Plan {
@@ -508,62 +513,59 @@ fn bug_injected(name: &'static str) -> bool {
 /// about to be written, and a breach means oversell or a second order for a buyer. O(batch)
 /// with hashing, once per batch: microseconds beside the batch's two round trips.
 fn assert_keeps_the_sale(messages: &[&OrderCreate], facts: &Facts, plan: &Plan) {
-    let orders: Vec<(&OrderCreate, Option<&str>)> = plan
+    let orders: Vec<(&OrderCreate, &[String])> = plan
         .finals
         .iter()
         .filter(|f| f.status == ORDER_CREATED_STATUS)
-        .map(|f| (messages[f.position], f.token_id.as_deref()))
+        .map(|f| (messages[f.position], f.token_ids.as_slice()))
         .collect();
     assert_units_within_sellable(facts, plan, &orders);
     assert_tokens_locked_and_distinct(facts, &orders);
     assert_one_order_per_buyer(messages, facts, &orders);
 }
 
-/// I1: per SKU, no more orders than the units sellable for the batch (the tokens locked for
-/// it, the ROW counter, none when closed or unknown), and each ROW counter lowered by exactly
-/// the orders of its SKU.
-fn assert_units_within_sellable(
-    facts: &Facts,
-    plan: &Plan,
-    orders: &[(&OrderCreate, Option<&str>)],
-) {
+/// I1: per SKU, no more units ordered than the units sellable for the batch (the tokens locked
+/// for it, the ROW counter, none when closed or unknown), and each ROW counter lowered by
+/// exactly the units ordered of its SKU.
+fn assert_units_within_sellable(facts: &Facts, plan: &Plan, orders: &[(&OrderCreate, &[String])]) {
     let claims: HashMap<SkuKey, &SkuClaim> = facts.skus.iter().map(|s| (s.key, &s.claim)).collect();
-    let mut by_sku: BTreeMap<SkuKey, Vec<&str>> = BTreeMap::new();
+    let mut by_sku: BTreeMap<SkuKey, (u64, Vec<&str>)> = BTreeMap::new();
     for (m, _) in orders {
-        by_sku.entry(sku_key(m)).or_default().push(m.reservation_id.as_str());
+        let entry = by_sku.entry(sku_key(m)).or_default();
+        entry.0 += u64::from(m.quantity);
+        entry.1.push(m.reservation_id.as_str());
     }
-    for (&(activity, sku), reservations) in &by_sku {
+    for (&(activity, sku), (ordered, reservations)) in &by_sku {
         let units = match claims.get(&(activity, sku)) {
             Some(SkuClaim::Row { available }) => *available,
             Some(SkuClaim::Token { tokens, .. }) => tokens.len() as u64,
             Some(SkuClaim::Closed) | None => 0,
         };
         assert!(
-            reservations.len() as u64 <= units,
-            "plan breaks I1 (no oversell): {} orders planned for SKU (activity {activity}, sku \
-             {sku}) with {units} sellable unit(s) locked for this batch; reservations \
-             {reservations:?}",
-            reservations.len()
+            *ordered <= units,
+            "plan breaks I1 (no oversell): {ordered} units ordered for SKU (activity {activity},              sku {sku}) with {units} sellable unit(s) locked for this batch; reservations \
+             {reservations:?}"
         );
     }
     let lowered: HashMap<SkuKey, i64> = plan.row_units.iter().copied().collect();
     for (&(activity, sku), claim) in &claims {
         if let SkuClaim::Row { .. } = claim {
-            let reservations = by_sku.get(&(activity, sku)).map_or(&[][..], Vec::as_slice);
+            let (ordered, reservations) =
+                by_sku.get(&(activity, sku)).map_or((0, &[][..]), |(n, r)| (*n, r.as_slice()));
             let by = lowered.get(&(activity, sku)).copied().unwrap_or(0);
             assert!(
-                by == reservations.len() as i64,
-                "plan breaks I1 (no oversell): ROW SKU (activity {activity}, sku {sku}) has {} \
-                 orders planned but its counter lowered by {by}; reservations {reservations:?}",
-                reservations.len()
+                by == ordered as i64,
+                "plan breaks I1 (no oversell): ROW SKU (activity {activity}, sku {sku}) has \
+                 {ordered} units ordered but its counter lowered by {by}; reservations \
+                 {reservations:?}"
             );
         }
     }
 }
 
-/// I1: every order on a TOKEN SKU holds a token this batch locked for that SKU, and no token
-/// is planned for two orders.
-fn assert_tokens_locked_and_distinct(facts: &Facts, orders: &[(&OrderCreate, Option<&str>)]) {
+/// I1: every order on a TOKEN SKU holds one token per unit, each locked by this batch for that
+/// SKU, and no token is planned twice.
+fn assert_tokens_locked_and_distinct(facts: &Facts, orders: &[(&OrderCreate, &[String])]) {
     let mut locked: HashMap<&str, SkuKey> = HashMap::new();
     let mut token_skus: HashSet<SkuKey> = HashSet::new();
     for sku in &facts.skus {
@@ -573,28 +575,36 @@ fn assert_tokens_locked_and_distinct(facts: &Facts, orders: &[(&OrderCreate, Opt
         }
     }
     let mut holders: HashMap<&str, &str> = HashMap::with_capacity(orders.len());
-    for &(m, token) in orders {
+    for &(m, tokens) in orders {
         let key = sku_key(m);
-        if token.is_none() && !token_skus.contains(&key) {
-            continue; // A ROW order: its unit is the counter's.
+        if tokens.is_empty() && !token_skus.contains(&key) {
+            continue; // A ROW order: its units are the counter's.
         }
         let (activity, sku, user) = buyer(m);
         let reservation = m.reservation_id.as_str();
-        let held = token.filter(|t| locked.get(t) == Some(&key));
         assert!(
-            held.is_some(),
+            tokens.len() == m.quantity as usize,
             "plan breaks I1 (no oversell): reservation {reservation} (activity {activity}, sku \
-             {sku}, user {user}) planned with token {token:?}, which is not a token locked for \
-             its SKU"
+             {sku}, user {user}) of {} units planned with {} tokens",
+            m.quantity,
+            tokens.len()
         );
-        let Some(token) = held else { continue };
-        let first = holders.insert(token, reservation);
-        assert!(
-            first.is_none(),
-            "plan breaks I1 (no oversell): token {token} (activity {activity}, sku {sku}) \
-             planned for reservations {} and {reservation}",
-            first.unwrap_or_default()
-        );
+        for token in tokens {
+            let token = token.as_str();
+            assert!(
+                locked.get(token) == Some(&key),
+                "plan breaks I1 (no oversell): reservation {reservation} (activity {activity}, \
+                 sku {sku}, user {user}) planned with token {token}, which is not a token \
+                 locked for its SKU"
+            );
+            let first = holders.insert(token, reservation);
+            assert!(
+                first.is_none(),
+                "plan breaks I1 (no oversell): token {token} (activity {activity}, sku {sku}) \
+                 planned for reservations {} and {reservation}",
+                first.unwrap_or_default()
+            );
+        }
     }
 }
 
@@ -603,7 +613,7 @@ fn assert_tokens_locked_and_distinct(facts: &Facts, orders: &[(&OrderCreate, Opt
 fn assert_one_order_per_buyer(
     messages: &[&OrderCreate],
     facts: &Facts,
-    orders: &[(&OrderCreate, Option<&str>)],
+    orders: &[(&OrderCreate, &[String])],
 ) {
     let holding: HashSet<(u64, u64, u64)> =
         facts.ordered_positions.iter().filter_map(|&p| messages.get(p)).map(|m| buyer(m)).collect();
@@ -706,13 +716,13 @@ mod tests {
             vec![
                 WriteOutcome::Created {
                     order_id: a.order_id(),
-                    token_id: Some("t1".into()),
+                    token_ids: vec!["t1".into()],
                     claim_us: Some(3)
                 },
                 WriteOutcome::Rejected { reason: RejectReason::DuplicateUser, claim_us: Some(3) },
                 WriteOutcome::Created {
                     order_id: c.order_id(),
-                    token_id: Some("t2".into()),
+                    token_ids: vec!["t2".into()],
                     claim_us: Some(3)
                 },
             ]
@@ -720,6 +730,51 @@ mod tests {
         assert_eq!(
             plan.finals.iter().map(|f| f.status).collect::<Vec<_>>(),
             ["ORDER_CREATED", "REJECTED_DUPLICATE_USER", "ORDER_CREATED"]
+        );
+    }
+
+    /// A quantity takes its units all or none: 2 asked with 1 left is no final stock and the
+    /// unit stays for a later message of 1; the ROW counter is lowered by the units ordered.
+    #[test]
+    fn a_quantity_takes_all_its_units_or_none() {
+        let two = |tag: &str, user| OrderCreate { quantity: 2, ..message(tag, 2, user) };
+        let (a, b, c) = (two("a", 7), two("b", 8), message("c", 2, 9));
+        let batch = [&a, &b, &c];
+        let facts = Facts {
+            inserted_ids: inserted(&batch),
+            skus: vec![token_sku(2, &["t1", "t2", "t3"], false)],
+            ..Facts::default()
+        };
+        let plan = plan(&batch, &facts, NOW_MS).expect("plan");
+        assert_eq!(
+            plan.outcomes,
+            vec![
+                WriteOutcome::Created {
+                    order_id: a.order_id(),
+                    token_ids: vec!["t1".into(), "t2".into()],
+                    claim_us: Some(3)
+                },
+                WriteOutcome::Rejected { reason: RejectReason::NoFinalStock, claim_us: Some(3) },
+                WriteOutcome::Created {
+                    order_id: c.order_id(),
+                    token_ids: vec!["t3".into()],
+                    claim_us: Some(3)
+                },
+            ]
+        );
+        let row = Facts {
+            skus: vec![SkuFacts {
+                key: (1, 2),
+                claim: SkuClaim::Row { available: 3 },
+                claim_us: None,
+            }],
+            ..facts
+        };
+        let plan = super::plan(&batch, &row, NOW_MS).expect("plan");
+        assert_eq!(plan.row_units, vec![((1, 2), 3)]);
+        assert_eq!(
+            plan.finals.iter().map(|f| f.status).collect::<Vec<_>>(),
+            ["ORDER_CREATED", "REJECTED_NO_FINAL_STOCK", "ORDER_CREATED"]
         );
     }
 
@@ -855,43 +910,47 @@ mod tests {
             } else if m.sku_id == 5 || m.sku_id == 6 {
                 reject(RejectReason::ActivityTerminated, None)
             } else if m.sku_id == 4 {
-                if row_left == 0 {
+                let q = u64::from(m.quantity);
+                if row_left < q {
                     reject(RejectReason::NoFinalStock, Some(3))
                 } else if !orders.insert((m.sku_id, m.user_id)) {
                     reject(RejectReason::DuplicateUser, Some(3))
                 } else {
-                    row_left -= 1;
+                    row_left -= q;
                     WriteOutcome::Created {
                         order_id: m.order_id(),
-                        token_id: None,
+                        token_ids: Vec::new(),
                         claim_us: Some(3),
                     }
                 }
             } else {
                 let s = (m.sku_id - 2) as usize;
                 let free = world.tokens[s] - world.held[s];
-                if pools[s].is_empty() {
-                    // Refill: the pool size is this SKU's remaining messages in the batch.
-                    let want = batch[i..].iter().filter(|x| x.sku_id == m.sku_id).count() as u64;
-                    refill(&mut pools[s], &mut next[s], free, want, m.sku_id);
+                let q = m.quantity as usize;
+                if pools[s].len() < q {
+                    // Refill up to the greater of this SKU's units asked from here to the
+                    // batch's end and this message's own quantity (0010's pool size).
+                    let rest: u64 = batch[i..]
+                        .iter()
+                        .filter(|x| x.sku_id == m.sku_id)
+                        .map(|x| u64::from(x.quantity))
+                        .sum();
+                    refill(&mut pools[s], &mut next[s], free, rest.max(q as u64), m.sku_id);
                 }
-                match pools[s].front().cloned() {
-                    None if world.held[s] > 0 => {
+                if pools[s].len() < q {
+                    if world.held[s] > 0 {
                         inbox.remove(&m.message_id);
                         out.push(WriteOutcome::Contended);
                         continue;
                     }
-                    None => reject(RejectReason::NoFinalStock, Some(3)),
-                    Some(_) if !orders.insert((m.sku_id, m.user_id)) => {
-                        reject(RejectReason::DuplicateUser, Some(3))
-                    }
-                    Some(token) => {
-                        pools[s].pop_front();
-                        WriteOutcome::Created {
-                            order_id: m.order_id(),
-                            token_id: Some(token),
-                            claim_us: Some(3),
-                        }
+                    reject(RejectReason::NoFinalStock, Some(3))
+                } else if !orders.insert((m.sku_id, m.user_id)) {
+                    reject(RejectReason::DuplicateUser, Some(3))
+                } else {
+                    WriteOutcome::Created {
+                        order_id: m.order_id(),
+                        token_ids: pools[s].drain(..q).collect(),
+                        claim_us: Some(3),
                     }
                 }
             };
@@ -947,22 +1006,23 @@ mod tests {
             .collect();
         let mut skus = Vec::new();
         for sku in 2..=6u64 {
-            let wanted: HashSet<&str> = batch
+            let distinct: HashMap<&str, u64> = batch
                 .iter()
                 .filter(|m| m.sku_id == sku && m.reservation_expires_at_ms > NOW_MS)
-                .map(|m| m.message_id.as_str())
+                .map(|m| (m.message_id.as_str(), u64::from(m.quantity)))
                 .collect();
-            if wanted.is_empty() {
+            if distinct.is_empty() {
                 continue;
             }
+            let wanted: u64 = distinct.values().sum();
             let claim = match sku {
                 2 | 3 => {
                     let s = (sku - 2) as usize;
                     let free = world.tokens[s] - world.held[s];
-                    let got = free.min(wanted.len() as u64);
+                    let got = free.min(wanted);
                     SkuClaim::Token {
                         tokens: (1..=got).map(|n| format!("t{sku}_{n}")).collect(),
-                        contended: got < wanted.len() as u64 && world.held[s] > 0,
+                        contended: got < wanted && world.held[s] > 0,
                     }
                 }
                 4 => SkuClaim::Row { available: world.row_units },
@@ -1011,19 +1071,21 @@ mod tests {
     }
 
     /// Messages over 12 tags (so repeats, reservations under two ids and shared buyers are
-    /// common), SKUs 2..=6 and 6 buyers; some expired.
+    /// common), SKUs 2..=6 and 6 buyers, 1 to 3 units each; some expired.
     fn batch() -> impl Strategy<Value = Vec<OrderCreate>> {
-        let spec = (0usize..12, 0usize..12, 2u64..=6, 0u64..6, any::<bool>(), 0u8..4);
+        let spec = (0usize..12, 0usize..12, 2u64..=6, 0u64..6, any::<bool>(), 0u8..4, 1u32..=3);
         proptest::collection::vec(spec, 1..24).prop_map(|specs| {
             specs
                 .into_iter()
-                .map(|(msg, resv, sku, user, expired, shared_request)| {
+                .map(|(msg, resv, sku, user, expired, shared_request, quantity)| {
                     // A message id always carries the same body; the reservation id is
-                    // shared by design between some message ids, and a quarter of the
-                    // messages carry their buyer's one shared request id (step 2b).
+                    // shared by design between some message ids, a quarter of the
+                    // messages carry their buyer's one shared request id (step 2b), and
+                    // quantities are 1 to 3 units.
                     let resv = if resv % 3 == 0 { resv } else { msg };
                     let mut m = message(&format!("{msg}"), sku, user);
                     m.reservation_id = format!("resv_{resv}");
+                    m.quantity = quantity;
                     if shared_request == 0 {
                         m.request_id = format!("req_shared_{user}");
                     }

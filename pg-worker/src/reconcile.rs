@@ -277,8 +277,9 @@ async fn list_ids(
         let rows = c.query(&sql, &[&activity_id, &sku_id, &limit]).await?;
         found.push((*name, sample(&rows, max)?));
     }
-    if inv.sku_found && inv.orders_live > inv.total_stock {
-        let over = inv.orders_live - inv.total_stock;
+    if inv.sku_found && inv.units_live > inv.total_stock {
+        // The newest live orders, as many as the units over stock (each holds at least one).
+        let over = inv.units_live - inv.total_stock;
         let listed = over.min(limit - 1);
         let rows = c.query(ORDERS_OVER_STOCK_SQL, &[&activity_id, &sku_id, &listed]).await?;
         let mut ids = sample(&rows, max)?;

@@ -24,6 +24,8 @@ pub struct RebuiltReservation {
     pub request_id: String,
     pub message_id: String,
     pub user_id: u64,
+    /// Its units.
+    pub quantity: u32,
     pub reserved_at_ms: u64,
     pub expires_at_ms: u64,
     /// `PROCESSING` or a final status.
@@ -55,7 +57,7 @@ const TOTAL_SQL: &str =
 const RESERVATIONS_SQL: &str = "\
 SELECT reservation_id, request_id, message_id, user_id, \
        (extract(epoch FROM reserved_at) * 1000)::bigint, \
-       (extract(epoch FROM expires_at) * 1000)::bigint, status \
+       (extract(epoch FROM expires_at) * 1000)::bigint, status, quantity \
 FROM inventory_reservation WHERE activity_id = $1 AND sku_id = $2 \
 ORDER BY reserved_at, reservation_id";
 /// No index serves the payload's SKU: a sequential scan of the outbox, acceptable for a
@@ -124,6 +126,7 @@ pub async fn rebuild_source(
             reserved_at_ms: ms(row.get(4)),
             expires_at_ms: ms(row.get(5)),
             status: row.get(6),
+            quantity: u32::try_from(row.get::<_, i32>(7)).unwrap_or(1).max(1),
         })
         .collect();
     let events = tx

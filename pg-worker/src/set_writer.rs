@@ -186,8 +186,8 @@ async fn stop_on_breach(
     resume_unwind(breach)
 }
 
-/// BEGIN, the facts and the requests recorded elsewhere (plan rule 2b), in one round trip.
-/// `Ok(Err(refused))`: the server refused a read and the transaction was rolled back.
+/// BEGIN and the facts, in one round trip. `Ok(Err(refused))`: the server refused the facts
+/// call and the transaction was rolled back.
 async fn read_facts(
     client: &tokio_postgres::Client,
     statements: &Statements,
@@ -197,7 +197,7 @@ async fn read_facts(
 ) -> Result<Result<Facts, Attempt>, PgError> {
     let columns = FactColumns::new(messages);
     let now = system_time(now_ms);
-    let args: [&(dyn ToSql + Sync); 8] = [
+    let args: [&(dyn ToSql + Sync); 10] = [
         &consumer_group,
         &columns.message_ids,
         &columns.reservation_ids,
@@ -205,37 +205,24 @@ async fn read_facts(
         &columns.sku_ids,
         &columns.user_ids,
         &columns.expires_at,
+        &columns.quantities,
+        &columns.request_ids,
         &now,
     ];
-    let requested_args: [&(dyn ToSql + Sync); 5] = [
-        &columns.activity_ids,
-        &columns.sku_ids,
-        &columns.user_ids,
-        &columns.request_ids,
-        &columns.reservation_ids,
-    ];
-    let requests = vec![
-        exec(client, &statements.begin),
-        call(client, &statements.order_facts, &args),
-        call(client, &statements.requested_elsewhere, &requested_args),
-    ];
+    let requests =
+        vec![exec(client, &statements.begin), call(client, &statements.order_facts, &args)];
     let mut results = pipeline(requests).await.into_iter();
     next_result(&mut results)?; // BEGIN: fails only if the connection broke.
-    let (facts, requested) = (results.next(), results.next());
-    let (facts, requested) = match (facts, requested) {
-        (Some(Ok(Some(facts))), Some(Ok(Some(requested)))) => (facts, requested),
-        (Some(Err(error)), _) | (_, Some(Err(error))) if error.code().is_some() => {
+    match results.next() {
+        Some(Ok(Some(row))) => Ok(Ok(decode_facts(&row, messages.len())?)),
+        Some(Err(error)) if error.code().is_some() => {
             client.execute(&statements.rollback, &[]).await?;
             let text = describe(&error);
-            return Ok(Err(Attempt::Refused(Refusal::of(&error), text)));
+            Ok(Err(Attempt::Refused(Refusal::of(&error), text)))
         }
-        (Some(Err(error)), _) | (_, Some(Err(error))) => return Err(error.into()),
-        _ => return Err(PgError::InvalidArgument("a facts read returned no row")),
-    };
-    let mut facts = decode_facts(&facts, messages.len())?;
-    facts.requested_positions = positions(requested.try_get(0)?, messages.len())
-        .ok_or(PgError::InvalidArgument("facts: a request position outside the batch"))?;
-    Ok(Ok(facts))
+        Some(Err(error)) => Err(error.into()),
+        Some(Ok(None)) | None => Err(PgError::InvalidArgument("the facts call returned no row")),
+    }
 }
 
 /// 1-based positions as 0-based indexes into a batch of `batch_len`; `None` if one is outside.
@@ -255,6 +242,7 @@ struct FactColumns<'a> {
     sku_ids: Vec<i64>,
     user_ids: Vec<i64>,
     expires_at: Vec<SystemTime>,
+    quantities: Vec<i32>,
 }
 
 impl<'a> FactColumns<'a> {
@@ -267,8 +255,15 @@ impl<'a> FactColumns<'a> {
             sku_ids: messages.iter().map(|m| bigint(m.sku_id)).collect(),
             user_ids: messages.iter().map(|m| bigint(m.user_id)).collect(),
             expires_at: messages.iter().map(|m| system_time(m.reservation_expires_at_ms)).collect(),
+            quantities: messages.iter().map(|m| quantity(m.quantity)).collect(),
         }
     }
+}
+
+/// A quantity as PostgreSQL stores it (`wire::OrderCreate::validate` bounds it by
+/// QUANTITY_MAX; saturate like the ids, the schema's CHECK then refuses it).
+fn quantity(units: u32) -> i32 {
+    i32::try_from(units).unwrap_or(i32::MAX)
 }
 
 /// The plan as the apply function's arrays (see `ORDER_APPLY_SQL`).
@@ -283,7 +278,10 @@ struct ApplyColumns<'a> {
     user_ids: Vec<i64>,
     statuses: Vec<&'static str>,
     order_ids: Vec<Option<&'a str>>,
-    token_ids: Vec<Option<&'a str>>,
+    quantities: Vec<i32>,
+    first_token_ids: Vec<Option<&'a str>>,
+    unit_token_ids: Vec<&'a str>,
+    unit_rows: Vec<i32>,
     reserved_at: Vec<SystemTime>,
     expires_at: Vec<SystemTime>,
     row_activity_ids: Vec<i64>,
@@ -298,6 +296,13 @@ impl<'a> ApplyColumns<'a> {
         plan: &'a Plan,
     ) -> ApplyColumns<'a> {
         let finals = || plan.finals.iter().map(|f| (f, messages[f.position]));
+        // Every claimed token with its final row (1-based, as SQL arrays count).
+        let units = || {
+            plan.finals
+                .iter()
+                .zip(1..)
+                .flat_map(|(f, row)| f.token_ids.iter().map(move |t| (t, row)))
+        };
         ApplyColumns {
             consumer_group,
             contended_ids: &plan.contended_ids,
@@ -309,7 +314,12 @@ impl<'a> ApplyColumns<'a> {
             user_ids: finals().map(|(_, m)| bigint(m.user_id)).collect(),
             statuses: finals().map(|(f, _)| f.status).collect(),
             order_ids: finals().map(|(f, _)| f.order_id.as_deref()).collect(),
-            token_ids: finals().map(|(f, _)| f.token_id.as_deref()).collect(),
+            quantities: finals().map(|(_, m)| quantity(m.quantity)).collect(),
+            first_token_ids: finals()
+                .map(|(f, _)| f.token_ids.first().map(String::as_str))
+                .collect(),
+            unit_token_ids: units().map(|(t, _)| t.as_str()).collect(),
+            unit_rows: units().map(|(_, row)| row).collect(),
             reserved_at: finals().map(|(_, m)| system_time(m.reserved_at_ms)).collect(),
             expires_at: finals().map(|(_, m)| system_time(m.reservation_expires_at_ms)).collect(),
             row_activity_ids: plan.row_units.iter().map(|((a, _), _)| *a).collect(),
@@ -318,7 +328,7 @@ impl<'a> ApplyColumns<'a> {
         }
     }
 
-    fn args(&self) -> [&(dyn ToSql + Sync); 16] {
+    fn args(&self) -> [&(dyn ToSql + Sync); 19] {
         [
             &self.consumer_group,
             &self.contended_ids,
@@ -330,7 +340,10 @@ impl<'a> ApplyColumns<'a> {
             &self.user_ids,
             &self.statuses,
             &self.order_ids,
-            &self.token_ids,
+            &self.quantities,
+            &self.first_token_ids,
+            &self.unit_token_ids,
+            &self.unit_rows,
             &self.reserved_at,
             &self.expires_at,
             &self.row_activity_ids,
@@ -366,7 +379,8 @@ fn decode_facts(row: &Row, batch_len: usize) -> Result<Facts, PgError> {
         inserted_ids: row.try_get(0)?,
         recorded,
         ordered_positions,
-        requested_positions: Vec::new(),
+        requested_positions: positions(row.try_get(14)?, batch_len)
+            .ok_or(bad("facts: a request position outside the batch"))?,
         skus: decode_skus(row)?,
     })
 }

@@ -50,28 +50,31 @@ pub struct SkuSpec {
     pub allocator: Allocator,
     /// The unit price (`sku_inventory.price_cents`); an order's amount comes from it.
     pub price_cents: Option<i64>,
+    /// Units one buyer may take in his one order (`sku_inventory.max_per_buyer`, 1..=
+    /// `QUANTITY_MAX`; 1 when the body names none).
+    pub max_per_buyer: i32,
 }
 
 impl SkuSpec {
     /// The canonical text whose equality decides "same body" (also written by
     /// `activity_creation::create_activity` for the activity's first SKU).
     pub fn config_hash(&self) -> String {
-        sku_config_hash(self.sku_id, self.stock, self.allocator, self.price_cents)
+        let base = format!("sku-v1|{}|{}|{}", self.sku_id, self.stock, self.allocator.as_str());
+        with_optional_fields(base, self.price_cents, self.max_per_buyer)
     }
 }
 
-/// A SKU without a price hashes as before prices existed, so bodies sent before then are
-/// still "the same body".
-pub fn sku_config_hash(
-    sku_id: i64,
-    stock: i64,
-    allocator: Allocator,
-    price_cents: Option<i64>,
-) -> String {
-    let base = format!("sku-v1|{sku_id}|{stock}|{}", allocator.as_str());
-    match price_cents {
+/// A body's optional fields after its base text: a SKU without a price, or with the default
+/// limit of one unit per buyer, hashes as before those fields existed, so bodies sent before
+/// then are still "the same body".
+pub fn with_optional_fields(base: String, price_cents: Option<i64>, max_per_buyer: i32) -> String {
+    let base = match price_cents {
         None => base,
         Some(price) => format!("{base}|price={price}"),
+    };
+    match max_per_buyer {
+        1 => base,
+        max => format!("{base}|max_per_buyer={max}"),
     }
 }
 
@@ -82,8 +85,8 @@ pub async fn insert_sku(client: &impl GenericClient, spec: &SkuSpec) -> Result<(
     client
         .execute(
             "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, \
-                                        available_stock, config_hash, price_cents) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                                        available_stock, config_hash, price_cents, max_per_buyer) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             &[
                 &spec.activity_id,
                 &spec.sku_id,
@@ -92,6 +95,7 @@ pub async fn insert_sku(client: &impl GenericClient, spec: &SkuSpec) -> Result<(
                 &available,
                 &spec.config_hash(),
                 &spec.price_cents,
+                &spec.max_per_buyer,
             ],
         )
         .await?;
@@ -113,6 +117,8 @@ pub struct SkuConfig {
     pub reservation_ttl_ms: i64,
     pub pay_timeout_ms: i64,
     pub orders_created: i64,
+    /// Units one buyer may take in his one order.
+    pub max_per_buyer: i32,
 }
 
 /// The SKU's row and its activity's as the admin API reports them; `None`: unknown.
@@ -127,7 +133,8 @@ pub async fn sku_config(
                     (extract(epoch FROM a.start_at) * 1000)::int8, \
                     (extract(epoch FROM a.end_at) * 1000)::int8, \
                     a.reservation_ttl_ms, a.pay_timeout_ms, \
-                    (SELECT count(*) FROM orders o WHERE o.activity_id = s.activity_id AND o.sku_id = s.sku_id) \
+                    (SELECT count(*) FROM orders o WHERE o.activity_id = s.activity_id AND o.sku_id = s.sku_id), \
+                    s.max_per_buyer \
              FROM sku_inventory s JOIN activity a ON a.activity_id = s.activity_id \
              WHERE s.activity_id = $1 AND s.sku_id = $2",
             &[&activity_id, &sku_id],
@@ -143,11 +150,12 @@ pub async fn sku_config(
         reservation_ttl_ms: row.get(6),
         pay_timeout_ms: row.get(7),
         orders_created: row.get(8),
+        max_per_buyer: row.get(9),
     }))
 }
 
 /// Units PostgreSQL can still sell for a SKU: AVAILABLE tokens (TOKEN allocator) or the
-/// counter (ROW), minus reservations being processed right now. This is the truth a Redis
+/// counter (ROW), minus the units of reservations being processed right now. This is the truth a Redis
 /// stock lost in a failover is rebuilt from — never the activity's initial stock, which would
 /// sell again what PostgreSQL already sold. `None`: the SKU is unknown.
 pub async fn sellable_units(
@@ -162,7 +170,7 @@ pub async fn sellable_units(
                       ELSE (SELECT count(*) FROM inventory_token t \
                             WHERE t.activity_id = s.activity_id AND t.sku_id = s.sku_id \
                               AND t.status = 'AVAILABLE') END \
-                    - (SELECT count(*) FROM inventory_reservation r \
+                    - (SELECT coalesce(sum(r.quantity), 0) FROM inventory_reservation r \
                        WHERE r.activity_id = s.activity_id AND r.sku_id = s.sku_id \
                          AND r.status = 'PROCESSING') \
              FROM sku_inventory s WHERE s.activity_id = $1 AND s.sku_id = $2",

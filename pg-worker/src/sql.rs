@@ -5,46 +5,34 @@
 //!
 //! All are prepared once per connection (`prepare_cached`) and reused.
 
-/// One order-create message: see `migrations/0002_order_create.sql` for the outcomes.
-/// Parameters: consumer group, message id, reservation id, request id, activity id, SKU id,
-/// user id, reserved at, expires at, now, order id, pool size (this SKU's messages from this
-/// one to the end of the batch: how many units to take when the batch pool is empty).
+/// One order-create message: see `migrations/0002_order_create.sql` and `0010_quantity.sql`
+/// for the outcomes. Parameters: consumer group, message id, reservation id, request id,
+/// activity id, SKU id, user id, quantity, reserved at, expires at, now, order id, pool size
+/// (this SKU's units asked from this message to the end of the batch: how many to take when
+/// the batch pool holds fewer than this message's quantity).
 pub const ORDER_CREATE_SQL: &str = "\
-    SELECT r_outcome, r_recorded, r_order_id, r_token_id, r_claim_us \
-    FROM flashsale_order_create($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+    SELECT r_outcome, r_recorded, r_order_id, r_token_ids, r_claim_us \
+    FROM flashsale_order_create($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
-/// The set-based batch's reads and locks (`migrations/0004_order_create_set.sql`): consumer
-/// group, message ids, reservation ids, activity ids, SKU ids, user ids, expiries (arrays by
-/// position), now. One row of arrays; `set_writer.rs` decodes it into `plan::Facts`.
+/// The set-based batch's reads and locks (`migrations/0004_order_create_set.sql`, as 0010
+/// left them): consumer group, message ids, reservation ids, activity ids, SKU ids, user ids,
+/// expiries, quantities, request ids (arrays by position), now. One row of arrays;
+/// `set_writer.rs` decodes it into `plan::Facts`.
 pub const ORDER_FACTS_SQL: &str = "\
     SELECT r_inserted_ids, r_recorded_ids, r_recorded_statuses, r_recorded_orders, \
            r_ordered_positions, r_sku_activity_ids, r_sku_ids, r_sku_statuses, r_sku_allocators, \
-           r_sku_available, r_sku_contended, r_sku_claim_us, r_token_skus, r_token_ids \
-    FROM flashsale_order_facts($1, $2, $3, $4, $5, $6, $7, $8)";
+           r_sku_available, r_sku_contended, r_sku_claim_us, r_token_skus, r_token_ids, \
+           r_requested_positions \
+    FROM flashsale_order_facts($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
-/// The positions (1-based) of a set-based batch whose buyer's request id is recorded under
-/// another reservation that is not itself a duplicate (migration 0009, plan rule 2b): their
-/// reservation is a duplicate of the first. Parameters (arrays by position): activity ids, SKU
-/// ids, user ids, request ids, reservation ids. One index probe per message
-/// (`inventory_reservation_request_key`, whose predicate the subquery repeats).
-pub const REQUESTED_ELSEWHERE_SQL: &str = "\
-    SELECT coalesce(array_agg(m.pos::integer ORDER BY m.pos), '{}') \
-    FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::text[], $5::text[]) \
-         WITH ORDINALITY AS m(activity_id, sku_id, user_id, request_id, reservation_id, pos) \
-    WHERE EXISTS (SELECT 1 FROM inventory_reservation r \
-                  WHERE r.activity_id = m.activity_id AND r.sku_id = m.sku_id \
-                    AND r.user_id = m.user_id AND r.request_id = m.request_id \
-                    AND r.status <> 'REJECTED_DUPLICATE_USER' \
-                    AND r.reservation_id <> m.reservation_id \
-                  OFFSET 0)";
-
-/// The set-based batch's writes, as `plan::plan` decided them: consumer group, contended
-/// message ids; per final outcome (batch order) reservation id, request id, message id,
-/// activity id, SKU id, user id, status, order id, token id, reserved at, expires at; per ROW
-/// SKU that sold units activity id, SKU id, units.
+/// The set-based batch's writes, as `plan::plan` decided them (`0010_quantity.sql`): consumer
+/// group, contended message ids; per final outcome (batch order) reservation id, request id,
+/// message id, activity id, SKU id, user id, status, order id, quantity, first token id; every
+/// claimed token and the 1-based final row it belongs to; per final outcome reserved at,
+/// expires at; per ROW SKU that sold units activity id, SKU id, units.
 pub const ORDER_APPLY_SQL: &str = "\
     SELECT flashsale_order_apply($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
-                                 $15, $16)";
+                                 $15, $16, $17, $18, $19)";
 
 /// The SQLSTATE `flashsale_order_apply` raises when an order met a buyer its facts did not
 /// show (a concurrent transaction got there first): the plan is stale and the batch is

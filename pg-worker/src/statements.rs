@@ -33,7 +33,6 @@ pub(crate) struct Statements {
     pub(crate) insert_events: Statement,
     pub(crate) return_units: Statement,
     pub(crate) order_facts: Statement,
-    pub(crate) requested_elsewhere: Statement,
     pub(crate) order_apply: Statement,
 }
 
@@ -48,7 +47,6 @@ impl Statements {
             insert_events: client.prepare_cached(sql::INSERT_EVENTS_SQL).await?,
             return_units: client.prepare_cached(sql::RETURN_UNITS_SQL).await?,
             order_facts: client.prepare_cached(sql::ORDER_FACTS_SQL).await?,
-            requested_elsewhere: client.prepare_cached(sql::REQUESTED_ELSEWHERE_SQL).await?,
             order_apply: client.prepare_cached(sql::ORDER_APPLY_SQL).await?,
         })
     }

@@ -106,7 +106,7 @@ fn with_and_without(bug: &'static str, batch: &[&OrderCreate], facts: &Facts) ->
 fn created(m: &OrderCreate, token: Option<&str>) -> WriteOutcome {
     WriteOutcome::Created {
         order_id: m.order_id(),
-        token_id: token.map(str::to_owned),
+        token_ids: token.map(str::to_owned).into_iter().collect(),
         claim_us: Some(3),
     }
 }

@@ -112,6 +112,7 @@ async fn preheat(f: &Functions, status: ActivityStatus, version: u64, stock: u64
         version,
         reservation_ttl_ms: TTL_MS,
         stock,
+        max_per_buyer: 1,
     };
     f.preheat(&keys(), &args).await.expect("preheat")
 }
@@ -146,6 +147,7 @@ async fn reserve_as(
         message_id: &ids.message_id,
         now_ms,
         pending_grace_ms: GRACE_MS,
+        quantity: 1,
     };
     f.reserve(&keys(), &args).await.expect("reserve")
 }
@@ -217,6 +219,7 @@ async fn compensate(
         release_user,
         reason_code,
         now_ms: T0 + 50_000,
+        units: 1,
     };
     f.compensate(&keys(), &args).await.expect("compensate")
 }
@@ -289,6 +292,7 @@ fn reserve_created_writes_every_key() {
                 ("send_attempts", "0"),
                 ("next_retry_at", &next_retry_at),
                 ("last_error_code", ""),
+                ("quantity", "1"),
             ])
         );
         assert_eq!(zscore(&f, &key("resv:pending"), "resv_1").await, Some(now + GRACE_MS));
@@ -512,6 +516,7 @@ fn sixty_four_bit_buyer_ids_live_a_whole_reservation() {
             release_user: true,
             reason_code: "EXPIRED",
             now_ms: T0 + 40,
+            units: 1,
         };
         assert!(matches!(
             f.compensate(&keys(), &back).await.unwrap(),
@@ -535,7 +540,7 @@ fn sixty_four_bit_buyer_ids_live_a_whole_reservation() {
             k[2] = key(&format!("user:{bad}"));
             k[3] = key(&format!("req:{bad}:req_9"));
             let k: Vec<&str> = k.iter().map(String::as_str).collect();
-            let argv = ["req_9", bad, "h", "resv_9", "msg_9", "1750000000010", "2000"];
+            let argv = ["req_9", bad, "h", "resv_9", "msg_9", "1750000000010", "2000", "1"];
             assert_eq!(
                 fcall_raw(&f, "reserve", &k, &argv).await,
                 "ERR seckill: bad user_id",
@@ -570,7 +575,7 @@ fn bad_arguments_are_refused_before_any_write() {
                 soldout.clone(),
             ]
         };
-        let ok_argv = ["req_1", "30001", "h", "resv_1", "msg_1", "1750000000010", "2000"];
+        let ok_argv = ["req_1", "30001", "h", "resv_1", "msg_1", "1750000000010", "2000", "1"];
         let k = reserve_keys(&user);
         let k: Vec<&str> = k.iter().map(String::as_str).collect();
 
@@ -583,6 +588,12 @@ fn bad_arguments_are_refused_before_any_write() {
         let mut huge = ok_argv;
         huge[5] = "1234567890123456"; // 16 digits: beyond what a Lua number holds exactly
         assert_eq!(fcall_raw(&f, "reserve", &k, &huge).await, "ERR seckill: bad now_ms");
+        for bad in ["0", "101", "-1", "1.5", ""] {
+            let mut bad_quantity = ok_argv;
+            bad_quantity[7] = bad;
+            let refused = fcall_raw(&f, "reserve", &k, &bad_quantity).await;
+            assert_eq!(refused, "ERR seckill: bad quantity", "{bad}");
+        }
         assert_eq!(fcall_raw(&f, "reserve", &k, &ok_argv[..6]).await, "ERR seckill: bad arity");
         // A user key that does not match the user_id argument, or a key of another SKU.
         let wrong_user = reserve_keys(&key("user:30002"));
@@ -609,20 +620,27 @@ fn bad_arguments_are_refused_before_any_write() {
         ];
         let comp_keys: Vec<&str> = comp_keys.iter().map(String::as_str).collect();
         assert_eq!(
-            fcall_raw(&f, "compensate", &comp_keys, &["resv_1", "yes", "1", "EXPIRED", "1"]).await,
+            fcall_raw(&f, "compensate", &comp_keys, &["resv_1", "yes", "1", "EXPIRED", "1", "1"])
+                .await,
             "ERR seckill: bad return_stock"
         );
         assert_eq!(
-            fcall_raw(&f, "compensate", &comp_keys, &["resv_1", "1", "2", "EXPIRED", "1"]).await,
+            fcall_raw(&f, "compensate", &comp_keys, &["resv_1", "1", "2", "EXPIRED", "1", "1"])
+                .await,
             "ERR seckill: bad release_user"
         );
+        for bad in ["0", "101", "x"] {
+            let argv = ["resv_1", "1", "1", "EXPIRED", "1", bad];
+            let refused = fcall_raw(&f, "compensate", &comp_keys, &argv).await;
+            assert_eq!(refused, "ERR seckill: bad units", "{bad}");
+        }
         assert!(!exists(&f, &key("comp:resv_1")).await);
         assert_eq!(
             fcall_raw(
                 &f,
                 "preheat",
                 &[&meta, &stock_k, &soldout],
-                &["ACTIVE", "1", "2", "v2", "1", "1"]
+                &["ACTIVE", "1", "2", "v2", "1", "1", "1"]
             )
             .await,
             "ERR seckill: bad version"
@@ -661,6 +679,7 @@ fn bad_arguments_are_refused_before_any_write() {
                     version: 9,
                     reservation_ttl_ms: 1,
                     stock: 1,
+                    max_per_buyer: 1,
                 },
             )
             .await;
@@ -1233,6 +1252,7 @@ fn preheat_versions_and_stock_set_once() {
                 ("end_ms", &(T0 + WINDOW_MS).to_string()),
                 ("version", "5"),
                 ("reservation_ttl_ms", &TTL_MS.to_string()),
+                ("max_per_buyer", "1"),
             ])
         );
         assert_eq!(stock(&f).await, Some(3));
@@ -1348,6 +1368,7 @@ async fn restore_reservation(f: &Functions, token: &str, n: u64, user_id: u64) -
         reserved_at_ms: T0 + n,
         expires_at_ms: T0 + n + TTL_MS,
         next_retry_at_ms: T0 + 9_000,
+        quantity: 1,
     });
     restore(f, token, step).await
 }
@@ -1359,6 +1380,7 @@ fn meta() -> RestoreMeta {
         end_ms: T0 + WINDOW_MS,
         version: 3,
         reservation_ttl_ms: TTL_MS,
+        max_per_buyer: 1,
     }
 }
 
@@ -1474,5 +1496,111 @@ fn restore_wipes_only_record_keys_and_finishes_at_zero_stock_at_least() {
         );
         assert_eq!(stock(&f).await, Some(0));
         assert!(exists(&f, &key("soldout")).await);
+    });
+}
+
+// ---- quantities (issue 29) -------------------------------------------------------------------
+
+/// A SKU whose meta allows `max_per_buyer` units per buyer, with `stock` units.
+async fn preheat_limited(f: &Functions, max_per_buyer: u32, stock: u64) {
+    let args = PreheatArgs {
+        status: ActivityStatus::Active,
+        start_ms: T0,
+        end_ms: T0 + WINDOW_MS,
+        version: 1,
+        reservation_ttl_ms: TTL_MS,
+        stock,
+        max_per_buyer,
+    };
+    f.preheat(&keys(), &args).await.expect("preheat");
+}
+
+/// Request n by user 30000+n for `quantity` units, at T0 + 10 ms.
+async fn reserve_units(f: &Functions, n: u64, quantity: u32) -> ReserveReply {
+    let ids = ids(n);
+    let args = ReserveArgs {
+        request_id: &ids.request_id,
+        user_id: 30000 + n,
+        payload_hash: "h",
+        reservation_id: &ids.reservation_id,
+        message_id: &ids.message_id,
+        now_ms: T0 + 10,
+        pending_grace_ms: GRACE_MS,
+        quantity,
+    };
+    f.reserve(&keys(), &args).await.expect("reserve")
+}
+
+/// A reservation takes all its units or none: over the SKU's limit is refused before any
+/// write; with fewer units left than asked (but some) nothing is written and the SKU is not
+/// sold out, so a smaller quantity still succeeds and takes the last unit; the record carries
+/// its quantity (what a compensation gives back and a republish carries).
+#[test]
+fn a_reservation_takes_all_its_units_or_none() {
+    with_redis(|f| async move {
+        preheat_limited(&f, 2, 3).await;
+        assert_eq!(hgetall(&f, &key("meta")).await["max_per_buyer"], "2");
+        assert_eq!(reserve_units(&f, 1, 3).await, ReserveReply::OverLimit { max_per_buyer: 2 });
+        assert!(!exists(&f, &key("user:30001")).await, "over the limit writes nothing");
+        assert_eq!(reserve_units(&f, 1, 2).await, created(1, T0 + 10));
+        assert_eq!(stock(&f).await, Some(1));
+        assert_eq!(hgetall(&f, &key("resv:resv_1")).await["quantity"], "2");
+        // 2 asked, 1 left: its own answer, nothing written, not sold out.
+        assert_eq!(reserve_units(&f, 2, 2).await, ReserveReply::FewerLeft { units_left: 1 });
+        assert!(!exists(&f, &key("user:30002")).await);
+        assert!(!exists(&f, &key("req:30002:req_2")).await);
+        assert!(!exists(&f, &key("soldout")).await, "a smaller quantity can still be had");
+        // A buyer who holds a reservation is told so, whatever he asks.
+        assert!(matches!(reserve_units(&f, 1, 1).await, ReserveReply::Idempotent { .. }));
+        let mut again = ids(1);
+        again.request_id = "req_1b".into();
+        again.reservation_id = "resv_1b".into();
+        let args = ReserveArgs {
+            request_id: &again.request_id,
+            user_id: 30001,
+            payload_hash: "h2",
+            reservation_id: &again.reservation_id,
+            message_id: "msg_1b",
+            now_ms: T0 + 10,
+            pending_grace_ms: GRACE_MS,
+            quantity: 2,
+        };
+        assert_eq!(
+            f.reserve(&keys(), &args).await.unwrap(),
+            ReserveReply::DuplicateUser { reservation_id: "resv_1".into() }
+        );
+        // The last unit to whoever asks for one: sold out.
+        assert_eq!(reserve_units(&f, 3, 1).await, created(0, T0 + 10));
+        assert!(exists(&f, &key("soldout")).await);
+        assert_eq!(reserve_units(&f, 4, 1).await, ReserveReply::SoldOut);
+
+        // The scanner republishes a record with its quantity.
+        let claimed = claim(&f, T0 + 10 + GRACE_MS, 10).await.expect("claim");
+        let quantities: Vec<(String, u32)> =
+            claimed.claimed.iter().map(|e| (e.reservation_id.clone(), e.quantity)).collect();
+        assert_eq!(quantities, [("resv_1".to_owned(), 2), ("resv_3".to_owned(), 1)]);
+
+        // A compensation gives back exactly the reservation's units, once.
+        apply(&f, 1, FinalOutcome::Failed { reason_code: "NO_FINAL_STOCK" }, T0 + 20).await;
+        let back = CompensateArgs {
+            reservation_id: "resv_1",
+            request_id: "req_1",
+            user_id: 30001,
+            return_stock: true,
+            release_user: true,
+            reason_code: "EXPIRED",
+            now_ms: T0 + 40,
+            units: 2,
+        };
+        assert!(matches!(
+            f.compensate(&keys(), &back).await.unwrap(),
+            CompensateReply::Applied { stock_after: 2 }
+        ));
+        assert!(!exists(&f, &key("soldout")).await);
+        assert!(matches!(
+            f.compensate(&keys(), &back).await.unwrap(),
+            CompensateReply::AlreadyApplied
+        ));
+        assert_eq!(stock(&f).await, Some(2));
     });
 }

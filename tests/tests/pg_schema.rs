@@ -449,7 +449,9 @@ async fn a_locked_last_token_is_contended_not_exhausted() {
     );
     tx.commit().await.expect("commit");
 
-    // One reservation never holds two tokens.
+    // A reservation holds one token per unit (migration 0010): the schema lets it hold a
+    // second, and what guards the count is the writers' plan assertion (pg-worker/src/plan.rs)
+    // and the audit, which sees a held token no order holds.
     client
         .batch_execute(
             "INSERT INTO sku_inventory (activity_id, sku_id, total_stock) VALUES (10001, 20002, 1)",
@@ -458,8 +460,14 @@ async fn a_locked_last_token_is_contended_not_exhausted() {
         .expect("second sku");
     generate_tokens(&client, ACTIVITY, SKU + 1, 1).await.expect("generate");
     let tx = other.transaction().await.expect("begin");
-    let err = claim_token(&tx, ACTIVITY, SKU + 1, "resv_b").await.expect_err("second token");
-    assert_violation(&err, SqlState::UNIQUE_VIOLATION, "inventory_token_reservation_key");
+    let second = claim_token(&tx, ACTIVITY, SKU + 1, "resv_b").await.expect("second token");
+    assert!(matches!(second, ClaimOutcome::Claimed { .. }), "{second:?}");
+    tx.commit().await.expect("commit");
+    let report = flashsale_pg_worker::audit::check_invariants(&client, ACTIVITY, SKU + 1)
+        .await
+        .expect("audit");
+    assert_eq!(report.held_tokens_without_order, 1, "{report:?}");
+    assert!(!report.ok());
 }
 
 /// EXPLAIN text of the production claim statement, one line per row.
@@ -829,13 +837,23 @@ async fn ledger_and_inbox_reject_duplicates() {
     let ledger =
         "INSERT INTO inventory_ledger (activity_id, sku_id, token_id, reservation_id, kind) \
                   VALUES (10001, 20001, 'tok_10001_20001_1', $1, $2) \
-                  ON CONFLICT (reservation_id, kind) DO NOTHING RETURNING ledger_id";
+                  ON CONFLICT (reservation_id, kind, unit_no) DO NOTHING RETURNING ledger_id";
     let first = client.query_opt(ledger, &[&"resv_1", &"CLAIM"]).await.expect("first claim row");
     assert!(first.is_some());
     let again = client.query_opt(ledger, &[&"resv_1", &"CLAIM"]).await.expect("second claim row");
     assert!(again.is_none(), "a second CLAIM for one reservation must not insert");
     let release = client.query_opt(ledger, &[&"resv_1", &"RELEASE"]).await.expect("release row");
     assert!(release.is_some(), "a different kind for the same reservation is a new movement");
+    // One row per unit (migration 0010): a reservation's second unit is a movement of its own.
+    let second_unit = client
+        .query_opt(
+            "INSERT INTO inventory_ledger (activity_id, sku_id, reservation_id, kind, unit_no) \
+             VALUES (10001, 20001, 'resv_1', 'CLAIM', 2) RETURNING ledger_id",
+            &[],
+        )
+        .await
+        .expect("second unit");
+    assert!(second_unit.is_some());
     let err = must_fail(
         &client,
         "INSERT INTO inventory_ledger (activity_id, sku_id, reservation_id, kind) \
@@ -843,8 +861,12 @@ async fn ledger_and_inbox_reject_duplicates() {
     )
     .await;
     assert!(err.is_unique_violation(), "{err}");
-    assert_violation(&err, SqlState::UNIQUE_VIOLATION, "inventory_ledger_reservation_kind_key");
-    assert_eq!(count(&client, "SELECT count(*) FROM inventory_ledger").await, 2);
+    assert_violation(
+        &err,
+        SqlState::UNIQUE_VIOLATION,
+        "inventory_ledger_reservation_kind_unit_key",
+    );
+    assert_eq!(count(&client, "SELECT count(*) FROM inventory_ledger").await, 3);
 
     let inbox = "INSERT INTO consumer_inbox (consumer_group, message_id, reservation_id) \
                  VALUES ($1, $2, 'resv_1') ON CONFLICT DO NOTHING RETURNING message_id";

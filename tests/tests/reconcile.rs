@@ -426,10 +426,11 @@ async fn postgres_findings_list_exactly_the_rows_they_count() {
         "UPDATE inventory_token SET status = 'CLAIMED', reservation_id = 'resv_x' \
          WHERE token_id = 'tok_5_6_3';"
             .to_owned(),
-        // c, d: one request id, two reservations; c committed PROCESSING.
+        // c, d: one request id, two reservations (the second recorded as the duplicate it is:
+        // migration 0009's key allows no other); c committed PROCESSING.
         reservation("resv_c", 30, "req-dup", "PROCESSING", ""),
         inbox("resv_c"),
-        reservation("resv_d", 30, "req-dup", "REJECTED_NO_FINAL_STOCK", ""),
+        reservation("resv_d", 30, "req-dup", "REJECTED_DUPLICATE_USER", ""),
         inbox("resv_d"),
         // e: ORDER_CREATED without its order.
         reservation("resv_e", 50, "req-50", "ORDER_CREATED", "ord_e"),

@@ -91,6 +91,7 @@ async fn preheat(f: &Functions, keys: &SkuKeys, stock: u64) {
         version: 1,
         reservation_ttl_ms: 300_000,
         stock,
+        max_per_buyer: 1,
     };
     // Preheat is idempotent; a cluster in motion may need a retry.
     for _ in 0..100 {
@@ -134,6 +135,7 @@ impl Intent {
             message_id: &self.message_id,
             now_ms: T0,
             pending_grace_ms: GRACE_MS,
+            quantity: 1,
         }
     }
 }

@@ -190,9 +190,10 @@ fn flushall_mid_sale_every_buyer_keeps_his_answer() {
     assert!(reopened.is_some(), "the SKU reopened");
     assert_eq!(d.not_theirs, [], "every queued buyer gets his own reservation back");
     assert_eq!(d.reserved_again, [], "no buyer holding a reservation reserves again");
-    let metrics = engine.metrics();
-    assert!(metric(&metrics, "flashsale_redis_data_losses_total") >= 1, "{metrics}");
-    assert!(metric(&metrics, "flashsale_redis_rebuilds_total") >= 1, "{metrics}");
+    // Both instances see the loss; whichever takes the rebuild's lock first rebuilds.
+    let both = |name: &str| metric(&engine.metrics(), name) + metric(&peer.metrics(), name);
+    assert!(both("flashsale_redis_data_losses_total") >= 2, "each instance saw the loss");
+    assert_eq!(both("flashsale_redis_rebuilds_total"), 1, "one rebuild for both");
     let promised = sale::assert_promise_kept(
         (engine.http(), engine.admin()),
         &engine.db.url,

@@ -66,6 +66,7 @@ async fn reserve_until_answered(f: &Functions, keys: &SkuKeys, i: u64) -> (Reser
         message_id: &message_id,
         now_ms: NOW_MS,
         pending_grace_ms: 2_000,
+        quantity: 1,
     };
     let mut unknown = false;
     for _ in 0..ATTEMPTS_MAX {
@@ -110,6 +111,7 @@ fn hundred_units_ten_thousand_buyers() {
             version: 1,
             reservation_ttl_ms: 300_000,
             stock: STOCK,
+            max_per_buyer: 1,
         };
         assert_eq!(f.preheat(&keys, &preheat).await.unwrap(), PreheatReply::Applied { version: 1 });
 

@@ -369,7 +369,13 @@ mod tests {
             // Latency is answer − intended, so it includes the time queued before writing.
             assert_eq!(t.latency_us, t.answered_us - t.intended_us, "{t:?}");
             assert!(t.written_us >= t.intended_us);
-            assert!(t.latency_us >= t.written_us - t.intended_us + 4_000, "{t:?}");
+            assert!(t.answered_us >= t.written_us, "{t:?}");
+            // The server answers one request per 5 ms from the first one's arrival (at or after
+            // the start): request i cannot be answered before (i + 1) × 5 ms, however the box
+            // schedules the client. (Not `written + 5 ms`: the write's time is taken after the
+            // write returns, and a client descheduled in between stamps it late — seen at
+            // 2.3 ms with three builds beside it.)
+            assert!(t.answered_us >= (i as u64 + 1) * 5_000, "{t:?}");
         }
         // The server serialises at 5 ms: request i is answered no earlier than (i+1) × 5 ms,
         // so the last one waited about 200 × 5 − 199 ms ≈ 0.8 s.

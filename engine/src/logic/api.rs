@@ -46,8 +46,9 @@ use flashsale_io::resp::U64Text;
 /// cheap second line for callers that did not.
 pub const BODY_LEN_MAX: usize = 4096;
 
-/// The only quantity accepted for now (CONTRACT.md 3.2).
-pub const QUANTITY_ALLOWED: u32 = 1;
+/// The most units one request may ask (CONTRACT.md 3.2; the SKU's own `max_per_buyer`, which
+/// Redis checks, is at most this).
+pub const QUANTITY_MAX: u32 = flashsale_io::bounds::QUANTITY_MAX;
 
 /// Why a request is `400 INVALID`; [`Invalid::reason_code`] is the client-visible name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,16 +166,17 @@ impl<'de> SubmitFields<'de> {
             Some(JsonValue::Str(text)) => RequestId::parse(text),
             _ => None,
         };
-        let quantity_ok = self.quantity == Some(JsonValue::Unsigned(u64::from(QUANTITY_ALLOWED)));
+        let quantity = match self.quantity {
+            Some(JsonValue::Unsigned(n)) if (1..=u64::from(QUANTITY_MAX)).contains(&n) => {
+                u32::try_from(n).ok()
+            }
+            _ => None,
+        };
         Ok(SubmitRequest {
             activity_id: activity_id.ok_or(Invalid::ActivityIdInvalid)?,
             sku_id: sku_id.ok_or(Invalid::SkuIdInvalid)?,
             request_id: request_id.ok_or(Invalid::RequestIdInvalid)?,
-            quantity: if quantity_ok {
-                QUANTITY_ALLOWED
-            } else {
-                return Err(Invalid::QuantityInvalid);
-            },
+            quantity: quantity.ok_or(Invalid::QuantityInvalid)?,
         })
     }
 }
@@ -586,8 +588,12 @@ mod tests {
         let with = |q: &str| {
             reason(&format!(r#"{{"activity_id":1,"sku_id":2,"request_id":"r","quantity":{q}}}"#))
         };
-        for bad in ["0", "2", "-1", "1.0", "\"1\"", "null", "true"] {
+        for bad in ["0", "101", "-1", "1.0", "\"1\"", "null", "true"] {
             assert_eq!(with(bad), Some("QUANTITY_INVALID"), "{bad}");
+        }
+        // 1..=QUANTITY_MAX; whether the SKU allows that many is Redis' word (its limit).
+        for good in ["1", "2", "100"] {
+            assert_eq!(with(good), None, "{good}");
         }
         assert_eq!(
             reason(r#"{"activity_id":1,"sku_id":2,"request_id":"r"}"#),

@@ -70,7 +70,7 @@ pub fn plan(key: SkuKey, source: &RebuildSource) -> (Vec<Step<'_>>, PlanNotes) {
     }
     let reserves = source.reservations.iter().map(|r| {
         let hash = hashes.get(r.reservation_id.as_str()).map(|h| (*h).to_owned());
-        let hash = hash.unwrap_or_else(|| computed_hash(key, r.user_id));
+        let hash = hash.unwrap_or_else(|| computed_hash(key, r.user_id, r.quantity));
         (r.reserved_at_ms, r, hash)
     });
     let mut reserves: Vec<_> = reserves.collect();
@@ -114,12 +114,12 @@ fn push_events_before(
     }
 }
 
-/// The payload hash a reservation of one unit has (a reservation PostgreSQL announced nothing
-/// about yet has no event to copy it from).
-fn computed_hash(key: SkuKey, user_id: u64) -> String {
+/// The payload hash a reservation of `quantity` units has (a reservation PostgreSQL announced
+/// nothing about yet has no event to copy it from).
+fn computed_hash(key: SkuKey, user_id: u64, quantity: u32) -> String {
     let ids = (ActivityId::new(key.activity_id), SkuId::new(key.sku_id), UserId::new(user_id));
     match ids {
-        (Some(a), Some(s), Some(u)) => payload_hash(a, s, u, 1).as_str().to_owned(),
+        (Some(a), Some(s), Some(u)) => payload_hash(a, s, u, quantity).as_str().to_owned(),
         // PostgreSQL's ids are positive bigints; a row outside them is written under a hash
         // no request can match, so a retry gets IDEMPOTENCY_CONFLICT, never a second unit.
         _ => "unmatchable".to_owned(),
@@ -144,6 +144,7 @@ mod tests {
             reserved_at_ms: at,
             expires_at_ms: at + 60_000,
             status: status.into(),
+            quantity: 1,
         }
     }
 
@@ -166,6 +167,7 @@ mod tests {
             release_user: matches!(kind, EventType::Compensate | EventType::OrderCancelled),
             traceparent: None,
             occurred_at_ms: at,
+            quantity: 1,
         };
         RebuiltEvent {
             event_id: id,

@@ -573,9 +573,11 @@ impl<'a> CrossCheck<'a> {
 }
 
 /// Units still held in Redis: records without a stock-returning compensation.
+/// The units the SKU's live records hold: each its quantity (1 for a record written before
+/// quantities), unless its compensation returned them.
 fn units_held(redis: &RedisSnapshot) -> u64 {
-    redis.records.iter().filter(|(id, r)| r.status.is_some() && !is_returned(redis, id)).count()
-        as u64
+    let held = redis.records.iter().filter(|(id, r)| r.status.is_some() && !is_returned(redis, id));
+    held.map(|(_, r)| u64::from(r.quantity.unwrap_or(1))).sum()
 }
 
 fn is_returned(redis: &RedisSnapshot, id: &str) -> bool {
@@ -674,7 +676,7 @@ fn judge_postgres(pg: &PgReconcile, report: &mut Report) {
     let d = &mut report.deltas;
     d.no_oversell.part(
         "orders_over_stock",
-        (inv.orders_live - inv.total_stock).max(0),
+        (inv.units_live - inv.total_stock).max(0),
         ids("orders_over_stock"),
     );
     d.no_oversell.part("tokens_shared", inv.tokens_shared, ids("tokens_shared"));
@@ -689,7 +691,7 @@ fn judge_postgres(pg: &PgReconcile, report: &mut Report) {
             let available = inv.available_stock.unwrap_or(0);
             d.token_conservation.part(
                 "row_available_plus_live_orders_vs_stock",
-                available + inv.orders_live - inv.total_stock,
+                available + inv.units_live - inv.total_stock,
                 None,
             );
             d.token_conservation.part(
@@ -704,7 +706,7 @@ fn judge_postgres(pg: &PgReconcile, report: &mut Report) {
             let t = &mut d.token_conservation;
             t.part("tokens_vs_stock", inv.tokens_total - inv.total_stock, None);
             t.part("token_states_vs_tokens", states - inv.tokens_total, None);
-            t.part("held_tokens_vs_live_orders", held - inv.orders_live, None);
+            t.part("held_tokens_vs_live_orders", held - inv.units_live, None);
             t.part(
                 "held_tokens_without_order",
                 inv.held_tokens_without_order,
@@ -889,6 +891,7 @@ mod tests {
                 total_stock: stock,
                 orders_total: n,
                 orders_live: n,
+                units_live: n,
                 tokens_total: stock,
                 tokens_available: stock - n,
                 tokens_claimed: n,
@@ -917,6 +920,7 @@ mod tests {
             user_id: Some(user),
             reserved_at_ms: Some(NOW - 1_000),
             order_id: None,
+            quantity: None,
             in_pending: !FINAL_REDIS.contains(&status),
             in_stuck: false,
         }
@@ -970,6 +974,7 @@ mod tests {
             r.order_status = Some(status.into());
         }
         p.invariants.orders_live = 1;
+        p.invariants.units_live = 1;
         p.invariants.tokens_claimed = 1;
         if returned {
             p.invariants.tokens_available += 2;

@@ -115,6 +115,8 @@ pub struct SubmitRequest<'a> {
     pub key: SkuKey,
     pub request_id: &'a str,
     pub user_id: UserId,
+    /// The units asked (1..=`QUANTITY_MAX`), in the payload hash.
+    pub quantity: u32,
     pub payload_hash: &'a PayloadHash,
     pub traceparent: Option<&'a str>,
 }
@@ -168,6 +170,10 @@ pub enum ReserveResult {
     DuplicateUser {
         reservation_id: String,
     },
+    /// The quantity is over the SKU's limit per buyer.
+    OverLimit,
+    /// Fewer units left than the quantity, but some: nothing reserved, not sold out.
+    FewerLeft,
     ActivityInvalid,
     /// The SKU has no `meta` in Redis: unknown to Redis, or its keys lost (`finish` tells the
     /// two apart by what the owner knew of the activity).
@@ -191,10 +197,19 @@ impl ReserveResult {
             ReserveResult::Created { .. }
                 | ReserveResult::SoldOut
                 | ReserveResult::DuplicateUser { .. }
+                | ReserveResult::OverLimit
+                | ReserveResult::FewerLeft
                 | ReserveResult::ActivityInvalid
         )
     }
 }
+
+/// `reason_code` of an `INVALID` answer for a quantity over the SKU's limit per buyer.
+pub const QUANTITY_OVER_LIMIT: &str = "QUANTITY_OVER_LIMIT";
+
+/// `reason_code` of a `SOLD_OUT` answer when units are left, but fewer than asked: the buyer
+/// may ask for fewer (nothing was reserved; the SKU is not sold out).
+pub const QUANTITY_UNAVAILABLE: &str = "QUANTITY_UNAVAILABLE";
 
 /// `reason_code` of an `INVALID` answer for a value the store refused (`ReserveResult::Refused`).
 pub const ARGUMENT_REFUSED: &str = "ARGUMENT_REFUSED";
@@ -472,6 +487,7 @@ impl OwnerState {
                 activity_id: request.key.activity_id,
                 sku_id: request.key.sku_id,
                 user_id: request.user_id.0,
+                quantity: request.quantity,
                 reserved_at_ms: now_ms,
                 expires_at_ms,
                 payload_hash: request.payload_hash.as_str(),
@@ -781,6 +797,16 @@ fn classify(
             );
             (ReserveSeen::Other, answer, None)
         }
+        ReserveResult::OverLimit => {
+            (ReserveSeen::Other, SubmitAnswer::invalid(QUANTITY_OVER_LIMIT), None)
+        }
+        ReserveResult::FewerLeft => {
+            let answer = SubmitAnswer {
+                reason_code: Some(Cow::Borrowed(QUANTITY_UNAVAILABLE)),
+                ..SubmitAnswer::of(SubmitOutcome::SoldOut)
+            };
+            (ReserveSeen::Other, answer, None)
+        }
         ReserveResult::ActivityInvalid | ReserveResult::MetaMissing => {
             (ReserveSeen::Other, SubmitAnswer::of(SubmitOutcome::ActivityNotActive), None)
         }
@@ -860,6 +886,7 @@ mod tests {
             key: SkuKey::new(1, sku),
             request_id: id,
             user_id: UserId(3),
+            quantity: 1,
             payload_hash: hash,
             traceparent: None,
         }

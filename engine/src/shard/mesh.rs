@@ -28,6 +28,7 @@ pub struct ForwardedSubmit {
     pub key: SkuKey,
     pub request_id: Box<str>,
     pub user_id: u64,
+    pub quantity: u32,
     pub payload_hash: PayloadHash,
     pub traceparent: Option<Box<str>>,
     pub reply: oneshot::Sender<SubmitAnswer>,

@@ -235,6 +235,7 @@ async fn replay(
                     reserved_at_ms: r.reserved_at_ms,
                     expires_at_ms: r.expires_at_ms,
                     next_retry_at_ms,
+                    quantity: r.quantity,
                 });
                 if !step(shard, &keys, lock, &restored).await? {
                     return Ok(None);
@@ -254,6 +255,7 @@ async fn replay(
         end_ms: config.end_at_ms.max(0) as u64,
         version: config.version.max(1) as u64,
         reservation_ttl_ms: config.reservation_ttl_ms.max(1) as u64,
+        max_per_buyer: u32::try_from(config.max_per_buyer).unwrap_or(1).max(1),
     };
     Ok(step(shard, &keys, lock, &RestoreStep::Finish(meta)).await?.then_some(notes))
 }
@@ -334,6 +336,7 @@ async fn preheat_stock_only(shard: &Shard, key: SkuKey) {
         version: config.version.max(1) as u64,
         reservation_ttl_ms: config.reservation_ttl_ms.max(1) as u64,
         stock: units.max(0) as u64,
+        max_per_buyer: u32::try_from(config.max_per_buyer).unwrap_or(1).max(1),
     };
     let _ = shard.store.functions.preheat(&shard.store.sku_keys(key), &args).await;
 }

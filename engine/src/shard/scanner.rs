@@ -139,6 +139,7 @@ pub(super) fn message_of(key: SkuKey, entry: &PendingEntry) -> OrderCreate {
         activity_id: key.activity_id,
         sku_id: key.sku_id,
         user_id: entry.user_id,
+        quantity: entry.quantity,
         reserved_at_ms: entry.reserved_at_ms,
         expires_at_ms: entry.expires_at_ms,
         payload_hash: &entry.payload_hash,

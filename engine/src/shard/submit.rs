@@ -170,6 +170,7 @@ async fn submit_checked(
             key,
             request_id,
             user_id,
+            quantity: submit.quantity,
             payload_hash: &payload_hash,
             traceparent: request.traceparent,
         };
@@ -180,6 +181,7 @@ async fn submit_checked(
         key,
         request_id: request_id.into(),
         user_id: user_id.0,
+        quantity: submit.quantity,
         payload_hash,
         traceparent: request.traceparent.map(Into::into),
         reply: tx,
@@ -202,6 +204,7 @@ pub async fn owner_forwarded(deps: &SubmitDeps<'_>, forwarded: ForwardedSubmit) 
         key: forwarded.key,
         request_id: &forwarded.request_id,
         user_id: UserId(forwarded.user_id),
+        quantity: forwarded.quantity,
         payload_hash: &forwarded.payload_hash,
         traceparent: forwarded.traceparent.as_deref(),
     };
@@ -271,6 +274,7 @@ async fn expensive_path(
         message_id: &call.message_id,
         now_ms: now,
         pending_grace_ms: deps.shared.config.pending_grace_ms,
+        quantity: s.quantity,
     };
     let started = Instant::now();
     let reply = deps.store.functions.reserve(keys, &args).await;
@@ -326,6 +330,8 @@ fn reserve_result(reply: Result<ReserveReply, ScriptError>) -> ReserveResult {
             ReserveResult::Idempotent { reservation_id, message_id, first }
         }
         Ok(ReserveReply::SoldOut) => ReserveResult::SoldOut,
+        Ok(ReserveReply::OverLimit { .. }) => ReserveResult::OverLimit,
+        Ok(ReserveReply::FewerLeft { .. }) => ReserveResult::FewerLeft,
         Ok(ReserveReply::DuplicateUser { reservation_id }) => {
             ReserveResult::DuplicateUser { reservation_id }
         }

@@ -205,6 +205,7 @@ async fn compensate(
         release_user: compensation.release_user,
         reason_code,
         now_ms: now_ms(),
+        units: event.quantity,
     };
     let reply = shard.store.functions.compensate(&keys, &args).await?;
     let CompensateReply::Applied { stock_after } = reply else { return Ok(()) };

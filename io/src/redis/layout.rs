@@ -129,6 +129,8 @@ pub struct ReservationRecord {
     pub user_id: Option<u64>,
     pub reserved_at_ms: Option<u64>,
     pub order_id: Option<String>,
+    /// The units it holds (`None`: a record written before quantities, which held one).
+    pub quantity: Option<u32>,
     pub in_pending: bool,
     pub in_stuck: bool,
 }
@@ -154,6 +156,8 @@ pub struct PendingEntry {
     pub expires_at_ms: u64,
     pub send_attempts: u32,
     pub status: PendingStatus,
+    /// The units reserved (1 for a record written before quantities).
+    pub quantity: u32,
 }
 
 /// One member of a SKU's `resv:stuck` as the admin plane lists it: when it got stuck, why,

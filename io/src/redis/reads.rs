@@ -249,7 +249,15 @@ impl Functions {
         let fields = self
             .read(
                 keys.slot(),
-                &[b"HMGET", resv.as_bytes(), b"status", b"user_id", b"reserved_at", b"order_id"],
+                &[
+                    b"HMGET",
+                    resv.as_bytes(),
+                    b"status",
+                    b"user_id",
+                    b"reserved_at",
+                    b"order_id",
+                    b"quantity",
+                ],
             )
             .await?;
         let fields = fields.as_array().unwrap_or_default();
@@ -258,6 +266,7 @@ impl Functions {
             user_id: uint(field(fields, 1)),
             reserved_at_ms: uint(field(fields, 2)),
             order_id: owned(field(fields, 3)),
+            quantity: uint(field(fields, 4)).and_then(|q| u32::try_from(q).ok()),
             in_pending: !matches!(pending, Reply::Nil),
             in_stuck: !matches!(stuck, Reply::Nil),
         })
@@ -369,6 +378,7 @@ impl Functions {
             b"reserved_at",
             b"expires_at",
             b"send_attempts",
+            b"quantity",
         ];
         let reply = self.read(keys.slot(), command).await?;
         let f = reply.as_array().unwrap_or_default();
@@ -389,6 +399,11 @@ impl Functions {
                 expires_at_ms: uint(field(f, 7))?,
                 send_attempts: uint(field(f, 8)).and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
                 status,
+                // A record written before quantities held one unit.
+                quantity: match field(f, 9) {
+                    Reply::Nil => 1,
+                    q => uint(q).and_then(|n| u32::try_from(n).ok()).filter(|n| *n >= 1)?,
+                },
             })
         });
         Ok(StuckEntry {

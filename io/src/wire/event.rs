@@ -163,6 +163,10 @@ pub struct ReservationEvent {
     pub activity_id: u64,
     pub sku_id: u64,
     pub user_id: u64,
+    /// The reservation's units (what a compensation with `return_stock` gives back); 1 in an
+    /// event written before quantities.
+    #[serde(default = "one_unit")]
+    pub quantity: u32,
     /// Set for `order_created` (and order events).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order_id: Option<String>,
@@ -213,6 +217,7 @@ impl ReservationEvent {
             activity_id: message.activity_id,
             sku_id: message.sku_id,
             user_id: message.user_id,
+            quantity: message.quantity,
             order_id: None,
             reason_code: None,
             return_stock: false,
@@ -300,8 +305,15 @@ impl ReservationEvent {
         check_bigint(self.activity_id, "activity_id")?;
         check_bigint(self.sku_id, "sku_id")?;
         check_bigint(self.user_id, "user_id")?;
+        if !(1..=crate::bounds::QUANTITY_MAX).contains(&self.quantity) {
+            return Err(invalid("quantity", "must be 1..=QUANTITY_MAX"));
+        }
         self.action().map(|_| ())
     }
+}
+
+fn one_unit() -> u32 {
+    1
 }
 
 /// Decodes and validates an event body (for `redis-sync`).

@@ -72,6 +72,8 @@ pub struct ReservationFacts<'a> {
     pub activity_id: u64,
     pub sku_id: u64,
     pub user_id: u64,
+    /// The units reserved.
+    pub quantity: u32,
     pub reserved_at_ms: u64,
     pub expires_at_ms: u64,
     pub payload_hash: &'a str,
@@ -93,7 +95,7 @@ impl OrderCreate {
             activity_id: facts.activity_id,
             sku_id: facts.sku_id,
             user_id: facts.user_id,
-            quantity: 1,
+            quantity: facts.quantity,
             reserved_at_ms: facts.reserved_at_ms,
             reservation_expires_at_ms: facts.expires_at_ms,
             retry_count: facts.send_attempts,
@@ -139,8 +141,8 @@ impl OrderCreate {
         check_bigint(self.activity_id, "activity_id")?;
         check_bigint(self.sku_id, "sku_id")?;
         check_bigint(self.user_id, "user_id")?;
-        if self.quantity != 1 {
-            return Err(invalid("quantity", "must be 1"));
+        if !(1..=crate::bounds::QUANTITY_MAX).contains(&self.quantity) {
+            return Err(invalid("quantity", "must be 1..=QUANTITY_MAX"));
         }
         if self.reservation_expires_at_ms <= self.reserved_at_ms {
             return Err(invalid("reservation_expires_at", "must be after reserved_at"));
@@ -282,7 +284,8 @@ pub(super) mod tests {
             ("request_id", Box::new(|m| m.request_id = "x".repeat(ID_LEN_MAX + 1))),
             ("activity_id", Box::new(|m| m.activity_id = 0)),
             ("user_id", Box::new(|m| m.user_id = u64::MAX)),
-            ("quantity", Box::new(|m| m.quantity = 2)),
+            ("quantity", Box::new(|m| m.quantity = 0)),
+            ("quantity", Box::new(|m| m.quantity = crate::bounds::QUANTITY_MAX + 1)),
             ("reservation_expires_at", Box::new(|m| m.reservation_expires_at_ms = T0)),
             ("payload_hash", Box::new(|m| m.payload_hash = "nul\0".into())),
         ];

@@ -39,6 +39,7 @@ struct CreateBody {
     pay_timeout_ms: Option<i64>,
     allocator: Option<String>,
     price_cents: Option<i64>,
+    max_per_buyer: Option<i64>,
 }
 
 /// `value` within `lo..=hi` (the bounds of `io/src/bounds.rs`), else `reason`.
@@ -57,13 +58,20 @@ pub struct SkuFields {
     pub stock: i64,
     pub allocator: Allocator,
     pub price_cents: Option<i64>,
+    /// Units one buyer may take in his one order (1 when the body names none).
+    pub max_per_buyer: i32,
 }
 
-pub fn sku_fields(
-    stock: i64,
-    allocator: Option<&str>,
-    price_cents: Option<i64>,
-) -> Result<SkuFields, &'static str> {
+/// A SKU's fields as a body sends them.
+pub struct SkuBody<'a> {
+    pub stock: i64,
+    pub allocator: Option<&'a str>,
+    pub price_cents: Option<i64>,
+    pub max_per_buyer: Option<i64>,
+}
+
+pub fn sku_fields(body: SkuBody<'_>) -> Result<SkuFields, &'static str> {
+    let SkuBody { stock, allocator, price_cents, max_per_buyer } = body;
     let stock = within(stock, 0, bounds::STOCK_MAX, "STOCK_INVALID")?;
     let allocator = match allocator {
         None => Allocator::Token,
@@ -71,7 +79,11 @@ pub fn sku_fields(
     };
     let price_cents =
         price_cents.map(|p| within(p, 0, bounds::PRICE_CENTS_MAX, "PRICE_INVALID")).transpose()?;
-    Ok(SkuFields { stock, allocator, price_cents })
+    let max = u64::from(bounds::QUANTITY_MAX);
+    let max_per_buyer = within(max_per_buyer.unwrap_or(1), 1, max, "MAX_PER_BUYER_INVALID")?;
+    // Within 1..=QUANTITY_MAX (100).
+    let max_per_buyer = i32::try_from(max_per_buyer).unwrap_or(1);
+    Ok(SkuFields { stock, allocator, price_cents, max_per_buyer })
 }
 
 /// Every field within the bounds of every store that will hold it (PostgreSQL, Redis' Lua
@@ -81,7 +93,12 @@ fn validate(body: CreateBody) -> Result<ActivitySpec, &'static str> {
     let id = |value, reason| within(value, 1, bounds::ID_VALUE_MAX, reason);
     let activity_id = id(body.activity_id, "ACTIVITY_ID_INVALID")?;
     let sku_id = id(body.sku_id, "SKU_ID_INVALID")?;
-    let sku = sku_fields(body.stock, body.allocator.as_deref(), body.price_cents)?;
+    let sku = sku_fields(SkuBody {
+        stock: body.stock,
+        allocator: body.allocator.as_deref(),
+        price_cents: body.price_cents,
+        max_per_buyer: body.max_per_buyer,
+    })?;
     // Defaults are fixed numbers, not "now": a retried call must hash to the same body.
     let start_at_ms = body.start_at_ms.unwrap_or(0);
     let end_at_ms = body.end_at_ms.unwrap_or_else(|| {
@@ -111,6 +128,7 @@ fn validate(body: CreateBody) -> Result<ActivitySpec, &'static str> {
         pay_timeout_ms,
         allocator: sku.allocator,
         price_cents: sku.price_cents,
+        max_per_buyer: sku.max_per_buyer,
     })
 }
 
@@ -195,6 +213,7 @@ async fn activate(
         version: 1,
         reservation_ttl_ms: spec.reservation_ttl_ms as u64,
         stock: spec.stock as u64,
+        max_per_buyer: u32::try_from(spec.max_per_buyer).unwrap_or(1).max(1),
     };
     match deps.store.functions.preheat(&keys, &args).await {
         Ok(PreheatReply::Applied { .. }) | Ok(PreheatReply::Stale { .. }) => {}

@@ -25,7 +25,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::activity::sku_fields;
+use super::activity::{sku_fields, SkuBody};
 use super::deps::AdminDeps;
 use crate::durable::DurableRequest;
 use crate::http::Status;
@@ -111,6 +111,7 @@ async fn preheat(deps: &AdminDeps<'_>, snapshots: &[SkuSnapshot]) -> Result<(), 
             version: snapshot.meta_version.max(1) as u64,
             reservation_ttl_ms: snapshot.reservation_ttl_ms.max(1) as u64,
             stock: snapshot.total_stock.max(0) as u64,
+            max_per_buyer: u32::try_from(snapshot.max_per_buyer).unwrap_or(1).max(1),
         };
         deps.store.functions.preheat(&deps.store.sku_keys(key), &args).await?;
     }
@@ -161,6 +162,7 @@ struct AddSkuBody {
     stock: i64,
     allocator: Option<String>,
     price_cents: Option<i64>,
+    max_per_buyer: Option<i64>,
     actor: Option<String>,
 }
 
@@ -178,7 +180,13 @@ async fn add_sku(deps: &AdminDeps<'_>, activity_id: i64, body: &[u8]) -> (Status
     if body.sku_id <= 0 {
         return error(Status::BadRequest, "SKU_ID_INVALID");
     }
-    let sku = match sku_fields(body.stock, body.allocator.as_deref(), body.price_cents) {
+    let fields = SkuBody {
+        stock: body.stock,
+        allocator: body.allocator.as_deref(),
+        price_cents: body.price_cents,
+        max_per_buyer: body.max_per_buyer,
+    };
+    let sku = match sku_fields(fields) {
         Ok(sku) => sku,
         Err(reason) => return error(Status::BadRequest, reason),
     };
@@ -188,6 +196,7 @@ async fn add_sku(deps: &AdminDeps<'_>, activity_id: i64, body: &[u8]) -> (Status
         stock: sku.stock,
         allocator: sku.allocator,
         price_cents: sku.price_cents,
+        max_per_buyer: sku.max_per_buyer,
     };
     let change = match pg(deps, move |mut client| async move {
         lifecycle::add_sku(&mut client, &spec, &actor).await

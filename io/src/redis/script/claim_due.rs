@@ -38,7 +38,7 @@ pub struct ClaimDueReply {
 }
 
 /// Fields per claimed entry in a `claim_due` reply.
-const CLAIM_ENTRY_FIELDS: usize = 9;
+const CLAIM_ENTRY_FIELDS: usize = 10;
 
 /// Parses `[claimed_count, stuck_count, 9 fields per claimed entry..., stuck ids...]`.
 pub fn parse_claim_due(reply: Reply) -> Result<ClaimDueReply, ScriptError> {
@@ -75,7 +75,8 @@ pub fn parse_claim_due(reply: Reply) -> Result<ClaimDueReply, ScriptError> {
 }
 
 fn parse_pending_entry(f: &[Reply]) -> Option<PendingEntry> {
-    let [id, message, request, user, hash, reserved_at, expires_at, attempts, status] = f else {
+    let [id, message, request, user, hash, reserved_at, expires_at, attempts, status, quantity] = f
+    else {
         return None;
     };
     let status = match text(status)? {
@@ -93,6 +94,7 @@ fn parse_pending_entry(f: &[Reply]) -> Option<PendingEntry> {
         expires_at_ms: uint(expires_at)?,
         send_attempts: u32::try_from(uint(attempts)?).ok()?,
         status,
+        quantity: u32::try_from(uint(quantity)?).ok().filter(|q| *q >= 1)?,
     })
 }
 
@@ -103,7 +105,7 @@ mod tests {
     use super::*;
 
     fn entry_fields(id: &str, attempts: &str, status: &str) -> Vec<Reply> {
-        [id, "msg_x", "req_x", "30001", "sha256:ab", "1000", "301000", attempts, status]
+        [id, "msg_x", "req_x", "30001", "sha256:ab", "1000", "301000", attempts, status, "2"]
             .iter()
             .map(|s| bulk(s))
             .collect()
@@ -129,6 +131,7 @@ mod tests {
                 expires_at_ms: 301000,
                 send_attempts: 1,
                 status: PendingStatus::PendingMessage,
+                quantity: 2,
             }
         );
         assert_eq!(parsed.claimed[1].send_attempts, 3);

@@ -201,6 +201,7 @@ impl Functions {
         let user_id = U64Text::new(args.user_id);
         let now_ms = U64Text::new(args.now_ms);
         let grace_ms = U64Text::new(args.pending_grace_ms);
+        let quantity = U64Text::new(u64::from(args.quantity));
         let (reply, fence) = self
             .fcall(
                 keys.slot(),
@@ -223,6 +224,7 @@ impl Functions {
                     args.message_id.as_bytes(),
                     now_ms.as_bytes(),
                     grace_ms.as_bytes(),
+                    quantity.as_bytes(),
                 ],
             )
             .await?;
@@ -377,6 +379,7 @@ impl Functions {
         let resv = keys.resv(args.reservation_id)?;
         let req = keys.req(args.user_id, args.request_id)?;
         let now_ms = U64Text::new(args.now_ms);
+        let units = U64Text::new(u64::from(args.units));
         // Negative control (tests/tests/negative_controls.rs): the marker is forgotten before
         // the call, so `compensate` cannot tell a second compensation from the first.
         #[cfg(feature = "failpoints")]
@@ -404,6 +407,7 @@ impl Functions {
                     flag(args.release_user),
                     args.reason_code.as_bytes(),
                     now_ms.as_bytes(),
+                    units.as_bytes(),
                 ],
             )
             .await?;
@@ -420,6 +424,7 @@ impl Functions {
         let version = U64Text::new(args.version);
         let ttl_ms = U64Text::new(args.reservation_ttl_ms);
         let stock = U64Text::new(args.stock);
+        let max_per_buyer = U64Text::new(u64::from(args.max_per_buyer));
         let (reply, _plain) = self
             .fcall(
                 keys.slot(),
@@ -433,6 +438,7 @@ impl Functions {
                     version.as_bytes(),
                     ttl_ms.as_bytes(),
                     stock.as_bytes(),
+                    max_per_buyer.as_bytes(),
                 ],
             )
             .await?;
@@ -476,11 +482,18 @@ impl Functions {
                 arg_list.extend(texts.map(|t| t.as_bytes().to_vec()));
                 let times = [r.reserved_at_ms, r.expires_at_ms, r.next_retry_at_ms];
                 arg_list.extend(times.map(|n| n.to_string().into_bytes()));
+                arg_list.push(r.quantity.to_string().into_bytes());
                 b"RESERVATION"
             }
             RestoreStep::Finish(meta) => {
                 arg_list.push(meta.status.as_str().as_bytes().to_vec());
-                let numbers = [meta.start_ms, meta.end_ms, meta.version, meta.reservation_ttl_ms];
+                let numbers = [
+                    meta.start_ms,
+                    meta.end_ms,
+                    meta.version,
+                    meta.reservation_ttl_ms,
+                    u64::from(meta.max_per_buyer),
+                ];
                 arg_list.extend(numbers.map(|n| n.to_string().into_bytes()));
                 b"FINISH"
             }

@@ -25,6 +25,8 @@ pub struct CompensateArgs<'a> {
     pub release_user: bool,
     pub reason_code: &'a str,
     pub now_ms: u64,
+    /// The reservation's quantity: what `return_stock` gives back.
+    pub units: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

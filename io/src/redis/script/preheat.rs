@@ -22,6 +22,8 @@ pub struct PreheatArgs {
     pub reservation_ttl_ms: u64,
     /// Initial stock; written only if the SKU has no stock key yet.
     pub stock: u64,
+    /// Units one buyer may take in his one order (`meta.max_per_buyer`).
+    pub max_per_buyer: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -27,6 +27,8 @@ pub struct ReserveArgs<'a> {
     pub now_ms: u64,
     /// How long the first publish may take before the scanner republishes.
     pub pending_grace_ms: u64,
+    /// The units asked, 1..=`QUANTITY_MAX` (all or none).
+    pub quantity: u32,
 }
 
 /// The state a request record (`req` hash) is in.
@@ -120,6 +122,14 @@ pub enum ReserveReply {
         reservation_id: String,
     },
     SoldOut,
+    /// The quantity is over the SKU's limit per buyer (`meta.max_per_buyer`); nothing written.
+    OverLimit {
+        max_per_buyer: u64,
+    },
+    /// Fewer units left than the quantity (but some): nothing written, not sold out.
+    FewerLeft {
+        units_left: u64,
+    },
 }
 
 /// A reservation the buyer could be told about (CREATED, or a replay of one still queued)
@@ -197,6 +207,15 @@ pub fn parse_reserve(reply: Reply, sent: &ReserveArgs<'_>) -> Result<ReserveRepl
             Ok(ReserveReply::DuplicateUser { reservation_id })
         }
         "SOLD_OUT" => Ok(ReserveReply::SoldOut),
+        "OVER_LIMIT" => {
+            let max_per_buyer =
+                text(&items[5]).and_then(|t| t.parse().ok()).ok_or_else(|| bad("limit"))?;
+            Ok(ReserveReply::OverLimit { max_per_buyer })
+        }
+        "FEWER_LEFT" => {
+            let units_left = uint(&items[6]).filter(|n| *n > 0).ok_or_else(|| bad("units_left"))?;
+            Ok(ReserveReply::FewerLeft { units_left })
+        }
         _ => Err(bad("code")),
     }
 }
@@ -226,6 +245,7 @@ mod tests {
         message_id: "msg_1",
         now_ms: 1_000,
         pending_grace_ms: 500,
+        quantity: 1,
     };
 
     #[test]

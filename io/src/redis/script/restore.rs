@@ -24,6 +24,8 @@ pub struct RestoreReservation<'a> {
     pub expires_at_ms: u64,
     /// Its `resv:pending` score (when the scanner may republish it if no outcome arrives).
     pub next_retry_at_ms: u64,
+    /// Its units.
+    pub quantity: u32,
 }
 
 /// The SKU's `meta`, written last.
@@ -34,6 +36,7 @@ pub struct RestoreMeta {
     pub end_ms: u64,
     pub version: u64,
     pub reservation_ttl_ms: u64,
+    pub max_per_buyer: u32,
 }
 
 /// Who holds a rebuild's lock, and for how long each step renews it.
