@@ -646,6 +646,7 @@ pub fn serve_config(redis: SocketAddr, nats_url: &str, pg_url: &str) -> ServeCon
         durable: serve::default_durable_config(pg_url, nats_url),
         io_memory_bytes: 256 << 10,
         render_extra: None,
+        tracing: Default::default(),
         worker: None,
     }
 }

@@ -21,7 +21,7 @@ use opentelemetry::trace::{
 use opentelemetry::{InstrumentationScope, KeyValue};
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
 
-use super::context::TraceContext;
+use super::context::{ReservationContext, SampleRatio, TraceContext};
 
 /// The spans, one per step of a reservation's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,6 +121,42 @@ impl SpanRecord {
         }
     }
 
+    /// A span of a step after the log hop (the order write, the compensation), or None when
+    /// its trace is not sampled. Under the context the message or event carries, when it
+    /// carries one (its sampled flag is the reservation's decision, honoured here); else,
+    /// e.g. an event no reservation context travelled with, a root span in the trace the
+    /// message id names, linked to the reservation span and sampled by `ratio` on that trace.
+    pub fn downstream(
+        name: SpanName,
+        carried: Option<&str>,
+        message_id: &str,
+        ratio: SampleRatio,
+        start: SystemTime,
+        end: SystemTime,
+    ) -> Option<SpanRecord> {
+        if let Some(parent) = carried.and_then(TraceContext::parse) {
+            if !parent.sampled {
+                return None;
+            }
+            let context = TraceContext { span_id: new_span_id(), ..parent };
+            return Some(SpanRecord::new(
+                name,
+                context,
+                Parent::Remote(parent.span_id),
+                start,
+                end,
+            ));
+        }
+        let reservation = ReservationContext::of_message(message_id, ratio);
+        if !reservation.sampled {
+            return None;
+        }
+        let context = TraceContext { span_id: new_span_id(), ..reservation };
+        let mut span = SpanRecord::new(name, context, Parent::Root, start, end);
+        span.link = Some(reservation);
+        Some(span)
+    }
+
     pub fn attr(&mut self, key: &'static str, value: impl Into<opentelemetry::Value>) {
         self.attributes.push(KeyValue::new(key, value));
     }
@@ -204,7 +240,8 @@ pub struct BusinessIds<'a> {
 
 /// A user id as it may appear in logs and spans: not reversible at a glance, stable within
 /// and across processes so one buyer's lines and spans can be followed (the engine's log
-/// lines use the same, `logic::limiter::hash_user`).
+/// lines use it too, through `logic::limiter::hash_user`). Its values must never change:
+/// operators search old traces and logs by them.
 pub fn user_id_hash(user_id: u64) -> u64 {
     // splitmix64's finalizer over the id and a fixed seed.
     let mut x = user_id ^ 0x5eed_f1a5_4a1e_0001;
@@ -228,8 +265,57 @@ pub fn at_ms(unix_ms: u64) -> SystemTime {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::context::ReservationContext;
-    use crate::trace::SampleRatio;
+
+    #[test]
+    fn the_user_hash_keeps_its_values() {
+        // splitmix64's finalizer of the id xor the seed, as the log lines had it before.
+        let mut x = 42u64 ^ 0x5eed_f1a5_4a1e_0001;
+        x ^= x >> 30;
+        x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^= x >> 27;
+        x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+        assert_eq!(user_id_hash(42), x ^ (x >> 31));
+        assert_ne!(user_id_hash(1), user_id_hash(2));
+    }
+
+    #[test]
+    fn a_step_after_the_log_hangs_under_the_carried_context_and_honours_its_flag() {
+        let (t0, t1) = (at_ms(1), at_ms(2));
+        let reservation = ReservationContext::decide(None, "msg_1", SampleRatio::ALL).context;
+        let carried = reservation.traceparent();
+        let span = SpanRecord::downstream(
+            SpanName::OrderWrite,
+            Some(&carried),
+            "msg_1",
+            SampleRatio::NONE,
+            t0,
+            t1,
+        )
+        .expect("the carried decision wins over this process's ratio");
+        assert_eq!(span.trace_id, reservation.trace_id);
+        assert_eq!(span.parent, Parent::Remote(reservation.span_id));
+        assert_ne!(span.span_id, reservation.span_id);
+        let unsampled = TraceContext { sampled: false, ..reservation }.traceparent();
+        let none = SpanRecord::downstream(
+            SpanName::OrderWrite,
+            Some(&unsampled),
+            "msg_1",
+            SampleRatio::ALL,
+            t0,
+            t1,
+        );
+        assert_eq!(none, None, "not sampled at the reservation, not recorded after it");
+        // Nothing carried: the message's own trace, linked to the reservation span.
+        let linked =
+            SpanRecord::downstream(SpanName::Compensate, None, "msg_1", SampleRatio::ALL, t0, t1)
+                .expect("sampled");
+        assert_eq!((linked.trace_id, linked.parent), (reservation.trace_id, Parent::Root));
+        assert_eq!(linked.link, Some(reservation));
+        assert_eq!(
+            SpanRecord::downstream(SpanName::Compensate, None, "msg_1", SampleRatio::NONE, t0, t1),
+            None
+        );
+    }
 
     #[test]
     fn a_record_becomes_the_sdks_span_with_its_parent_link_and_status() {

@@ -60,6 +60,7 @@
 mod closer_task;
 mod config;
 mod lag_task;
+mod order_trace;
 mod order_writer_task;
 mod outbox_task;
 mod shared;
@@ -72,7 +73,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use config::{
-    order_writers_for_pg_cores, WorkerConfig, FETCH_MAX, ORDER_WRITERS_MAX,
+    order_writers_for_pg_cores, WorkerConfig, WorkerTracing, FETCH_MAX, ORDER_WRITERS_MAX,
     ORDER_WRITERS_PER_PG_CORE,
 };
 use shared::Shared;
@@ -163,7 +164,17 @@ pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
     let (closer_shared, closer_stop) = (shared.clone(), others_stop_rx.clone());
     others.push(runtime.spawn(async move { closer_task::run(&closer_shared, closer_stop).await }));
     let lag_shared = shared.clone();
-    others.push(runtime.spawn(async move { lag_task::run(&lag_shared, others_stop_rx).await }));
+    let lag_stop = others_stop_rx.clone();
+    others.push(runtime.spawn(async move { lag_task::run(&lag_shared, lag_stop).await }));
+    // `flashsale worker`: its own exporter, stopped after the writers (their last spans go).
+    if let WorkerTracing::Export(tracing) = &config.tracing {
+        let run = flashsale_io::trace::export::run(
+            shared.traces.clone(),
+            tracing.clone(),
+            others_stop_rx,
+        );
+        others.push(runtime.spawn(run));
+    }
     tracing::info!(
         order_writers = config.order_writers,
         order_path = ?config.order_path,
@@ -195,7 +206,13 @@ async fn init(config: WorkerConfig) -> Result<Shared, PgError> {
     client.prepare_cached(crate::sql::ORDER_CREATE_SQL).await?;
     client.prepare_cached(crate::sql::ORDER_FACTS_SQL).await?;
     drop(client);
+    let traces = match &config.tracing {
+        WorkerTracing::Off => flashsale_io::trace::TraceSink::disabled(),
+        WorkerTracing::Shared(sink) => sink.clone(),
+        WorkerTracing::Export(tracing) => tracing.sink(),
+    };
     Ok(Shared {
+        traces,
         policy: config.retry_policy(),
         publisher: log.publisher(),
         lag: LogLag::default(),
