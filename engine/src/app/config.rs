@@ -487,8 +487,6 @@ impl Config {
         let endpoints = layers.endpoints(redis, pg, nats, &mut http_section, admin)?;
         let (file_keys, file_control, file_payment) =
             auth.map_or((None, None, None), |s| (s.pass_keys, s.control_key, s.payment_key));
-        let admission = admission_budgets(admission.unwrap_or_default())?;
-        let overload = overload_settings(overload.unwrap_or_default())?;
         let worker = worker_settings(worker.unwrap_or_default(), env)?;
         let proxy_from = env
             .get("FLASHSALE_PROXY_PROTOCOL_FROM")
@@ -501,7 +499,6 @@ impl Config {
         let payment_key = layers.optional("FLASHSALE_PAYMENT_KEY", file_payment);
         let payments =
             payments_settings(payments.unwrap_or_default(), env, payment_key.as_deref())?;
-        let tracing = tracing_settings(tracing.unwrap_or_default(), env)?;
         Ok(Config {
             redis_url: check_redis_url(endpoints.redis_url)?,
             redis_min_replica_acks: endpoints.redis_min_replica_acks,
@@ -515,8 +512,8 @@ impl Config {
             admin_token: layers.optional("FLASHSALE_ADMIN_TOKEN", endpoints.admin_file_token),
             control_key: layers.optional("FLASHSALE_CONTROL_KEY", file_control),
             payment_key,
-            admission,
-            overload,
+            admission: admission_budgets(admission.unwrap_or_default())?,
+            overload: overload_settings(overload.unwrap_or_default())?,
             mode_state_file: layers.mode_state_file(),
             sku_funnel: sku_funnel_settings(metrics.unwrap_or_default(), &engine.pins)?,
             pins: engine.pins,
@@ -525,7 +522,7 @@ impl Config {
             worker,
             http,
             payments,
-            tracing,
+            tracing: tracing_settings(tracing.unwrap_or_default(), env)?,
         })
     }
 }

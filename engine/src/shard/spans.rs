@@ -1,4 +1,4 @@
-//! The edge's spans (`flashsale_io::trace`; CONTRACT.md section 8), recorded after the fact
+//! The edge's spans (`flashsale_io::trace`; README "Tracing"), recorded after the fact
 //! into the shared sink, which never blocks (the durable side exports):
 //!
 //! - a fresh reservation: `seckill.reservation` (from its `reserved_at` until the buyer's

@@ -1,6 +1,7 @@
-//! The spans flashsale exports (CONTRACT.md section 8), each recorded after the fact: a
+//! The spans flashsale exports (README "Tracing"), each recorded after the fact: a
 //! [`SpanRecord`] holds what happened (its context, parent, link, times, outcome and business
-//! ids) and becomes the SDK's `SpanData` only when recorded (`sink.rs`).
+//! ids) and becomes the SDK's `SpanData` only when recorded (`sink.rs`). Their names and
+//! attribute keys are what trace queries and dashboards rely on: change them with care.
 //!
 //! Why after the fact and not the SDK's `Tracer`: a glommio shard runs many requests on one
 //! thread, so a span held open across an `await` through thread-local context would be entered

@@ -156,25 +156,7 @@ pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
             }
         }));
     }
-    let mut others = Vec::with_capacity(config.outbox_publishers + 1);
-    for _ in 0..config.outbox_publishers {
-        let (shared, stop) = (shared.clone(), others_stop_rx.clone());
-        others.push(runtime.spawn(async move { outbox_task::run(&shared, stop).await }));
-    }
-    let (closer_shared, closer_stop) = (shared.clone(), others_stop_rx.clone());
-    others.push(runtime.spawn(async move { closer_task::run(&closer_shared, closer_stop).await }));
-    let lag_shared = shared.clone();
-    let lag_stop = others_stop_rx.clone();
-    others.push(runtime.spawn(async move { lag_task::run(&lag_shared, lag_stop).await }));
-    // `flashsale worker`: its own exporter, stopped after the writers (their last spans go).
-    if let WorkerTracing::Export(tracing) = &config.tracing {
-        let run = flashsale_io::trace::export::run(
-            shared.traces.clone(),
-            tracing.clone(),
-            others_stop_rx,
-        );
-        others.push(runtime.spawn(run));
-    }
+    let others = spawn_others(&runtime, &shared, &config, &others_stop_rx);
     tracing::info!(
         order_writers = config.order_writers,
         order_path = ?config.order_path,
@@ -194,6 +176,31 @@ pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
         log: shared.log.clone(),
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
     })
+}
+
+/// The tasks stopped after the writers: the outbox publishers, the closer, the lag poll, and
+/// for `flashsale worker` the trace exporter (so the writers' last spans still go out).
+fn spawn_others(
+    runtime: &tokio::runtime::Runtime,
+    shared: &Arc<Shared>,
+    config: &WorkerConfig,
+    stop: &watch::Receiver<bool>,
+) -> Vec<JoinHandle<()>> {
+    let mut others = Vec::with_capacity(config.outbox_publishers + 3);
+    for _ in 0..config.outbox_publishers {
+        let (shared, stop) = (shared.clone(), stop.clone());
+        others.push(runtime.spawn(async move { outbox_task::run(&shared, stop).await }));
+    }
+    let (closer_shared, closer_stop) = (shared.clone(), stop.clone());
+    others.push(runtime.spawn(async move { closer_task::run(&closer_shared, closer_stop).await }));
+    let (lag_shared, lag_stop) = (shared.clone(), stop.clone());
+    others.push(runtime.spawn(async move { lag_task::run(&lag_shared, lag_stop).await }));
+    if let WorkerTracing::Export(tracing) = &config.tracing {
+        let sink = shared.traces.clone();
+        let run = flashsale_io::trace::export::run(sink, tracing.clone(), stop.clone());
+        others.push(runtime.spawn(run));
+    }
+    others
 }
 
 async fn init(config: WorkerConfig) -> Result<Shared, PgError> {
