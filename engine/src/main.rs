@@ -303,6 +303,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         durable: serve::durable_config(&config),
         io_memory_bytes: 1 << 20,
         render_extra: Some(prometheus_recorder()?),
+        tracing: config.tracing.clone(),
         worker: (!args.no_worker).then(|| serve::worker_config(&config)),
     };
     serve_config.check_host();

@@ -11,6 +11,8 @@
 //! - [`key`] and [`payment`]: the one prepared HMAC key type and the payment provider's
 //!   signature scheme (callbacks, status requests and answers); pure, shared by the engine and
 //!   the worker.
+//! - [`trace`]: trace export over OTLP (spans recorded after the fact into a bounded sink, a
+//!   tokio exporter that fails open).
 //!
 //! This crate decides nothing about business outcomes; it reports what the stores said, and
 //! says "outcome unknown" when it cannot know.
@@ -21,6 +23,7 @@ pub mod key;
 pub mod payment;
 pub mod redis;
 pub mod resp;
+pub mod trace;
 pub mod wire;
 
 /// The negative controls' switches (tests/tests/negative_controls.rs): failpoints that each

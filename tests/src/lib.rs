@@ -11,10 +11,12 @@
 //! - A Redis Cluster (3 masters + 3 replicas): one per test binary, shared by its tests,
 //!   with the drills' levers ([`cluster`]).
 //! - A sale under way and the end checks of a fault drill ([`sale`]).
+//! - An OTLP/HTTP trace receiver decoding real export requests ([`otlp`]).
 //!
 //! Nothing here touches the machine's own servers on the standard ports.
 
 pub mod cluster;
+pub mod otlp;
 pub mod sale;
 
 pub use cluster::{redis_cluster, SharedCluster};
@@ -646,6 +648,7 @@ pub fn serve_config(redis: SocketAddr, nats_url: &str, pg_url: &str) -> ServeCon
         durable: serve::default_durable_config(pg_url, nats_url),
         io_memory_bytes: 256 << 10,
         render_extra: None,
+        tracing: Default::default(),
         worker: None,
     }
 }

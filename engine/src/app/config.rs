@@ -82,6 +82,10 @@ pub struct Config {
     /// `[metrics]`: the SKUs with funnel series of their own (the pinned SKUs first, then
     /// `hot_skus`), their bound and the promotion threshold (validated).
     pub sku_funnel: crate::logic::sku_funnel::SkuFunnelConfig,
+    /// Trace export (`[tracing]`, `FLASHSALE_OTLP_ENDPOINT`, `FLASHSALE_TRACE_SAMPLE_RATIO`),
+    /// validated; off without an endpoint. `service_instance_id` is set by `main` (the
+    /// instance id is drawn there when not configured).
+    pub tracing: flashsale_io::trace::TraceConfig,
 }
 
 /// `[payments]`: the payment provider's status endpoint, which the worker's closer asks (a
@@ -303,6 +307,20 @@ struct FileConfig {
     worker: Option<WorkerSection>,
     payments: Option<PaymentsSection>,
     metrics: Option<MetricsSection>,
+    tracing: Option<TracingSection>,
+}
+
+/// `[tracing]`: trace export over OTLP/HTTP (`flashsale_io::trace`; defaults in
+/// `TraceConfig::default`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TracingSection {
+    otlp_endpoint: Option<String>,
+    sample_ratio: Option<f64>,
+    queue_spans_max: Option<usize>,
+    export_batch_max: Option<usize>,
+    export_interval_ms: Option<u64>,
+    export_timeout_ms: Option<u64>,
 }
 
 /// `[metrics]`: see `logic::sku_funnel` (`hot_skus = ["10001:20001"]`, `sku_series_max`,
@@ -463,13 +481,12 @@ impl Config {
             worker,
             payments,
             metrics,
+            tracing,
         } = file;
         let mut http_section = http.unwrap_or_default();
         let endpoints = layers.endpoints(redis, pg, nats, &mut http_section, admin)?;
         let (file_keys, file_control, file_payment) =
             auth.map_or((None, None, None), |s| (s.pass_keys, s.control_key, s.payment_key));
-        let admission = admission_budgets(admission.unwrap_or_default())?;
-        let overload = overload_settings(overload.unwrap_or_default())?;
         let worker = worker_settings(worker.unwrap_or_default(), env)?;
         let proxy_from = env
             .get("FLASHSALE_PROXY_PROTOCOL_FROM")
@@ -495,8 +512,8 @@ impl Config {
             admin_token: layers.optional("FLASHSALE_ADMIN_TOKEN", endpoints.admin_file_token),
             control_key: layers.optional("FLASHSALE_CONTROL_KEY", file_control),
             payment_key,
-            admission,
-            overload,
+            admission: admission_budgets(admission.unwrap_or_default())?,
+            overload: overload_settings(overload.unwrap_or_default())?,
             mode_state_file: layers.mode_state_file(),
             sku_funnel: sku_funnel_settings(metrics.unwrap_or_default(), &engine.pins)?,
             pins: engine.pins,
@@ -505,8 +522,54 @@ impl Config {
             worker,
             http,
             payments,
+            tracing: tracing_settings(tracing.unwrap_or_default(), env)?,
         })
     }
+}
+
+/// `[tracing]` with `FLASHSALE_OTLP_ENDPOINT` over `otlp_endpoint` and
+/// `FLASHSALE_TRACE_SAMPLE_RATIO` over `sample_ratio`; every bound checked.
+fn tracing_settings(
+    section: TracingSection,
+    env: &Env,
+) -> Result<flashsale_io::trace::TraceConfig, ConfigError> {
+    use flashsale_io::trace::{OtlpEndpoint, SampleRatio, TraceConfig};
+    let invalid = |name: &'static str, message: String| ConfigError::Invalid { name, message };
+    let mut config = TraceConfig::default();
+    let endpoint = env
+        .get("FLASHSALE_OTLP_ENDPOINT")
+        .cloned()
+        .or(section.otlp_endpoint)
+        .filter(|url| !url.trim().is_empty());
+    if let Some(url) = endpoint {
+        config.endpoint =
+            Some(OtlpEndpoint::parse(&url).map_err(|e| invalid("FLASHSALE_OTLP_ENDPOINT", e))?);
+    }
+    let ratio = env
+        .get("FLASHSALE_TRACE_SAMPLE_RATIO")
+        .cloned()
+        .or(section.sample_ratio.map(|r| r.to_string()));
+    if let Some(text) = ratio {
+        config.sample_ratio =
+            SampleRatio::parse(&text).map_err(|e| invalid("FLASHSALE_TRACE_SAMPLE_RATIO", e))?;
+    }
+    let fields = [
+        (section.queue_spans_max, &mut config.queue_spans_max),
+        (section.export_batch_max, &mut config.export_batch_max),
+    ];
+    for (value, field) in fields {
+        if let Some(v) = value {
+            *field = v;
+        }
+    }
+    if let Some(v) = section.export_interval_ms {
+        config.export_interval_ms = v;
+    }
+    if let Some(v) = section.export_timeout_ms {
+        config.export_timeout_ms = v;
+    }
+    config.validate().map_err(|e| invalid("[tracing]", e))?;
+    Ok(config)
 }
 
 /// `[metrics]`: the pinned SKUs are hot (an operator pinned them for their traffic), then
@@ -1200,6 +1263,47 @@ mod tests {
             let err = Config::load(None, &e, &Overrides::default(), dir.path()).unwrap_err();
             assert!(err.to_string().contains("FLASHSALE_PG_URL"), "{url}: {err}");
         }
+    }
+
+    #[test]
+    fn tracing_is_off_without_an_endpoint_and_the_environment_wins_over_the_file() {
+        use flashsale_io::trace::SampleRatio;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.toml");
+        let load = |e: &Env| Config::load(Some(&path), e, &Overrides::default(), dir.path());
+        std::fs::write(&path, "").expect("w");
+        let c = load(&Env::new()).expect("config");
+        assert_eq!(c.tracing.endpoint, None);
+        assert_eq!(c.tracing.sample_ratio, SampleRatio::ALL);
+        std::fs::write(
+            &path,
+            "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\nsample_ratio = 0.5\n\
+             queue_spans_max = 100\nexport_batch_max = 10\nexport_timeout_ms = 500\n",
+        )
+        .expect("w");
+        let c = load(&Env::new()).expect("config");
+        let endpoint = c.tracing.endpoint.as_ref().map(ToString::to_string);
+        assert_eq!(endpoint.as_deref(), Some("http://127.0.0.1:4318/v1/traces"));
+        assert_eq!(c.tracing.sample_ratio.ppm(), 500_000);
+        assert_eq!((c.tracing.queue_spans_max, c.tracing.export_batch_max), (100, 10));
+        assert_eq!(c.tracing.export_timeout_ms, 500);
+        let e = env(&[
+            ("FLASHSALE_OTLP_ENDPOINT", "http://collector:4318/otlp"),
+            ("FLASHSALE_TRACE_SAMPLE_RATIO", "0"),
+        ]);
+        let c = load(&e).expect("config");
+        let endpoint = c.tracing.endpoint.as_ref().map(ToString::to_string);
+        assert_eq!(endpoint.as_deref(), Some("http://collector:4318/otlp"));
+        assert_eq!(c.tracing.sample_ratio, SampleRatio::NONE);
+        for (var, value) in [
+            ("FLASHSALE_OTLP_ENDPOINT", "https://collector:4318"),
+            ("FLASHSALE_TRACE_SAMPLE_RATIO", "2"),
+        ] {
+            let err = load(&env(&[(var, value)])).unwrap_err();
+            assert!(err.to_string().contains(var), "{var}={value}: {err}");
+        }
+        std::fs::write(&path, "[tracing]\nqueue_spans_max = 0\n").expect("w");
+        assert!(load(&Env::new()).unwrap_err().to_string().contains("queue_spans_max"));
     }
 
     #[test]

@@ -269,6 +269,7 @@ fn serve_config(config: &Config, plan: &DemoPlan) -> anyhow::Result<ServeConfig>
         durable: serve::durable_config(config),
         io_memory_bytes: 1 << 20,
         render_extra: None,
+        tracing: config.tracing.clone(),
         worker: Some(serve::worker_config(config)),
     })
 }

@@ -48,6 +48,9 @@ pub struct ServeConfig {
     /// Memory glommio registers per executor for I/O (counts against `ulimit -l`).
     pub io_memory_bytes: usize,
     pub render_extra: Option<Box<dyn Fn() -> String + Send + Sync>>,
+    /// Trace export (`[tracing]`; off without an endpoint): one sink for the shards and the
+    /// in-process worker, exported by the durable side.
+    pub tracing: flashsale_io::trace::TraceConfig,
     /// The order-writer and outbox publisher in this process (`None`: `--no-worker`, run
     /// `flashsale worker` separately).
     pub worker: Option<flashsale_pg_worker::worker::WorkerConfig>,
@@ -125,6 +128,15 @@ pub fn worker_config(
     worker.closer.provider = key.and_then(|key| config.payments.provider(&key));
     // Without one, due orders are held PAYMENT_UNKNOWN unless the operator opted in.
     worker.closer.without_provider = config.payments.without_provider;
+    // `flashsale worker` exports its own spans; in `serve`, `start` hands it the edge's sink.
+    if config.tracing.endpoint.is_some() {
+        let mut tracing = config.tracing.clone();
+        tracing.service_instance_id = match &config.instance_id {
+            Some(id) => id.to_string(),
+            None => crate::logic::ids::InstanceId::from_random(rand::random()).to_string(),
+        };
+        worker.tracing = flashsale_pg_worker::worker::WorkerTracing::Export(tracing);
+    }
     worker
 }
 
@@ -266,6 +278,8 @@ pub fn default_durable_config(pg_url: &str, nats_url: &str) -> DurableConfig {
         in_flight_max: 4_096,
         pg_timeout_ms: 2_000,
         threads: 1,
+        // `serve::start` sets it from `ServeConfig::tracing`.
+        trace_export: None,
     }
 }
 
@@ -363,11 +377,13 @@ fn validate(config: &ServeConfig) -> anyhow::Result<()> {
     config.edge.idempotent_retry.validate().map_err(|e| anyhow::anyhow!("retry policy: {e}"))?;
     config.edge.admission.validate().map_err(|e| anyhow::anyhow!("admission budgets: {e}"))?;
     config.edge.control.modes.validate().map_err(|e| anyhow::anyhow!("mode config: {e}"))?;
+    config.tracing.validate().map_err(|e| anyhow::anyhow!("[tracing]: {e}"))?;
     Ok(())
 }
 
-pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
+pub fn start(mut config: ServeConfig) -> anyhow::Result<ServeHandle> {
     validate(&config)?;
+    let traces = with_tracing(&mut config);
     let instance_id = &config.edge.instance_id;
     tracing::info!(instance = %instance_id, pid = std::process::id(), "engine instance starting");
     let shard_count = config.shards;
@@ -393,7 +409,7 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     };
     let (http_addr, admin_addr) = (config.http_addr, config.admin_addr);
     let health = Arc::clone(&state.health);
-    let shared = edge_shared(config, table, durable_handle, state);
+    let shared = edge_shared(config, table, durable_handle, state, traces);
     let executors = match spawn_shards(&plan, &shared, receivers) {
         Ok(executors) => executors,
         Err(e) => {
@@ -418,6 +434,23 @@ pub fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
         handle.admin_addr.set_port(*admin_port);
     }
     Ok(handle)
+}
+
+/// The one trace sink of this process (disabled without an endpoint), handed to the durable
+/// side's exporter and to the in-process worker; the spans' resource names this instance.
+fn with_tracing(config: &mut ServeConfig) -> flashsale_io::trace::TraceSink {
+    if config.tracing.service_instance_id.is_empty() {
+        config.tracing.service_instance_id = config.edge.instance_id.to_string();
+    }
+    let sink = config.tracing.sink();
+    config.durable.trace_export = sink.is_enabled().then(|| crate::durable::TraceExport {
+        sink: sink.clone(),
+        config: config.tracing.clone(),
+    });
+    if let Some(worker) = config.worker.as_mut() {
+        worker.tracing = flashsale_pg_worker::worker::WorkerTracing::Shared(sink.clone());
+    }
+    sink
 }
 
 /// The queues from the durable side to each shard: `redis-sync`'s events and the
@@ -480,6 +513,7 @@ fn edge_shared(
     table: PartitionTable,
     durable: crate::durable::DurableHandle,
     state: ControlState,
+    traces: flashsale_io::trace::TraceSink,
 ) -> Arc<EdgeShared> {
     let shard_count = config.shards;
     let sku_funnel = crate::logic::sku_funnel::SkuFunnel::new(&config.edge.sku_funnel, shard_count);
@@ -503,6 +537,7 @@ fn edge_shared(
         modes: state.modes,
         health: state.health,
         reconcile_lease: state.lease,
+        traces,
         render_extra: config.render_extra,
     })
 }

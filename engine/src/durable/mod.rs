@@ -7,6 +7,10 @@
 //!
 //! It never talks to Redis: Redis writes belong to the owner shard of each SKU.
 //!
+//! It also runs the trace exporter (`flashsale_io::trace::export`): the shards and the
+//! in-process worker only push finished spans into a bounded sink; sending them to the
+//! collector, and waiting on a slow one, happens here, never on a shard.
+//!
 //! Not here: the order-writer and outbox publisher (`flashsale_pg_worker`, started beside it
 //! unless `--no-worker`).
 
@@ -50,6 +54,16 @@ pub struct DurableConfig {
     pub pg_timeout_ms: u64,
     /// tokio worker threads.
     pub threads: usize,
+    /// The trace exporter's sink and settings (None: no trace export; `serve::start` sets
+    /// it when an OTLP endpoint is configured).
+    pub trace_export: Option<TraceExport>,
+}
+
+/// What the exporter task drains and where it sends it.
+#[derive(Debug, Clone)]
+pub struct TraceExport {
+    pub sink: flashsale_io::trace::TraceSink,
+    pub config: flashsale_io::trace::TraceConfig,
 }
 
 /// What the shards can ask for, each answered through its own oneshot.
@@ -323,6 +337,10 @@ fn spawn_tasks(
         stop.clone(),
     );
     tasks.push(tokio::spawn(dependencies));
+    if let Some(export) = &config.trace_export {
+        let (sink, settings) = (export.sink.clone(), export.config.clone());
+        tasks.push(tokio::spawn(flashsale_io::trace::export::run(sink, settings, stop.clone())));
+    }
     if let Some((id, period)) = control.reconcile_lease.clone() {
         let lease = Arc::clone(&control.lease);
         let run = lease::run(log.clone(), lease::RECONCILE_LEASE, id, period, lease, stop.clone());

@@ -100,9 +100,11 @@ fn mix(mut x: u64) -> u64 {
 }
 
 /// A user id as it may appear in logs and spans: not reversible at a glance, stable within
-/// and across processes so one buyer's lines can be followed.
+/// and across processes so one buyer's lines can be followed. THE hash lives with the
+/// exported spans (`flashsale_io::trace::user_id_hash`, the worker's too): one value per
+/// buyer in log lines and traces alike.
 pub fn hash_user(user_id: u64) -> u64 {
-    mix(user_id ^ 0x5eed_f1a5_4a1e_0001)
+    flashsale_io::trace::user_id_hash(user_id)
 }
 
 /// A client address as a limiter key (IPv4 and IPv6 alike).

@@ -6,7 +6,8 @@
 //! The folder stands in layers (no file imports one that imports it; `engine/tests/tidy.rs`):
 //! - the services a shard owns, each knowing nothing of the shard: [`config`], [`shared`]
 //!   (what every shard shares), [`store`] (Redis), [`mesh`] (shard to shard, replicas),
-//!   [`limiters`], [`publish`] (THE path a message takes to the log), [`retry`];
+//!   [`limiters`], [`publish`] (THE path a message takes to the log), [`retry`], [`spans`]
+//!   (the edge's trace spans, recorded into the sink the durable side exports);
 //! - [`state`]: the [`Shard`] that holds them; [`request`] and [`reply`]: what every handler
 //!   shares;
 //! - the handlers, each taking only what it uses: [`submit`] and [`query`] (the reservation
@@ -41,6 +42,7 @@ pub mod retry;
 pub mod routes;
 pub mod scanner;
 pub mod shared;
+pub mod spans;
 pub mod state;
 pub mod store;
 pub mod submit;

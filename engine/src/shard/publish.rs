@@ -24,6 +24,10 @@
 //!    republish, deduplicated by message id; a stopping shard makes its deferred marks at
 //!    once.
 //!
+//! Traces (`spans.rs`): before the message leaves, its `traceparent` becomes the
+//! reservation span's context (a republish's: the republish span's) with the sampling
+//! decision, and when the wait ends the reservation's and the publish's spans are recorded.
+//!
 //! The `Nats-Msg-Id` is the message id itself, except for a message the log already
 //! acknowledged whose outcome is overdue ([`MsgIdentity::Attempt`]): JetStream's duplicate
 //! window would drop it as a copy of the lost original, so it goes out as
@@ -45,6 +49,7 @@ use futures::channel::oneshot;
 use super::config::EdgeConfig;
 use super::retry::retry_idempotent;
 use super::shared::EdgeShared;
+use super::spans::{self, PublishEnd, Sending};
 use super::store::Store;
 use crate::durable::DurableRequest;
 use crate::logic::circuit::{Admit, CallOutcome, Circuit, CircuitState};
@@ -131,10 +136,16 @@ impl PublishPath {
 pub async fn publish_order(
     path: &Rc<PublishPath>,
     keys: &Rc<SkuKeys>,
-    message: OrderCreate,
+    mut message: OrderCreate,
     identity: MsgIdentity,
     origin: Origin,
 ) -> Published {
+    let traces = &path.shared.traces;
+    let sending = match origin {
+        Origin::Submit => Sending::Fresh,
+        Origin::Scanner => Sending::Republish,
+    };
+    let trace = spans::begin_publish(traces, &mut message, sending);
     if origin == Origin::Submit {
         // A fresh reservation: `reserve` answered CREATED (every submit publishes its own once).
         let key = SkuKey::new(message.activity_id, message.sku_id);
@@ -142,7 +153,10 @@ pub async fn publish_order(
     }
     let call = match path.circuit.borrow_mut().allow(now_ms()) {
         Admit::Call(call) => call,
-        Admit::Reject { .. } => return Published::NotAcked,
+        Admit::Reject { .. } => {
+            spans::end_publish(traces, trace, PublishEnd::CircuitOpen);
+            return Published::NotAcked;
+        }
     };
     let mark = MarkRequest {
         reservation_id: message.reservation_id.clone(),
@@ -158,16 +172,19 @@ pub async fn publish_order(
         Ok(Ok(Ok(_ack))) => {
             path.metrics().publish_ok.fetch_add(1, Ordering::Relaxed);
             record(path, call, CallOutcome::Success);
+            spans::end_publish(traces, trace, PublishEnd::Acked);
         }
         Ok(_) => {
             path.metrics().publish_error.fetch_add(1, Ordering::Relaxed);
             record(path, call, CallOutcome::Failure);
+            spans::end_publish(traces, trace, PublishEnd::Refused);
             return Published::NotAcked;
         }
         Err(_) => {
             // The answer goes out now (QUEUED_PENDING); how the log answers is still worth
             // knowing, for the circuit and to spare the scanner a republish.
             path.metrics().publish_timeout.fetch_add(1, Ordering::Relaxed);
+            spans::end_publish(traces, trace, PublishEnd::Timeout);
             let (path, keys) = (Rc::clone(path), Rc::clone(keys));
             glommio::spawn_local(async move { late_ack(&path, &keys, reply, call, mark).await })
                 .detach();

@@ -43,6 +43,9 @@ pub struct EdgeShared {
     /// The funnel per hot SKU (`logic::sku_funnel`): each shard counts into its own lines,
     /// `/metrics` promotes the top SKUs into free slots and renders it.
     pub sku_funnel: crate::logic::sku_funnel::SkuFunnel,
+    /// Where finished spans go (disabled without an OTLP endpoint): the publish path records
+    /// the reservation's, redis-sync the compensation's; the durable side exports them.
+    pub traces: flashsale_io::trace::TraceSink,
     /// Renders the durable side's `metrics` crate recorder, if one is installed.
     pub render_extra: Option<Box<dyn Fn() -> String + Send + Sync>>,
 }

@@ -9,7 +9,8 @@
 //!
 //! [`compensate`] is the one handler of a unit coming back: `compensate` once per reservation
 //! (its marker), counted, and a returned unit clears the sold-out flag on every shard of this
-//! instance and is announced to the other instances (`durable/notice.rs`).
+//! instance and is announced to the other instances (`durable/notice.rs`), and recorded as a
+//! span under the context its event carries (`spans.rs`).
 
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -20,6 +21,7 @@ use flashsale_io::redis::script::{
 use flashsale_io::wire::{Compensation, EventAction, ReservationEvent, ORDER_CANCELLED_REASON};
 use tokio::sync::mpsc;
 
+use super::spans;
 use super::state::Shard;
 use crate::durable::sync::{NotApplied, SyncRequest};
 use crate::durable::DurableRequest;
@@ -207,8 +209,13 @@ async fn compensate(
         now_ms: now_ms(),
         units: event.quantity,
     };
-    let reply = shard.store.functions.compensate(&keys, &args).await?;
-    let CompensateReply::Applied { stock_after } = reply else { return Ok(()) };
+    let started = std::time::SystemTime::now();
+    let reply = shard.store.functions.compensate(&keys, &args).await;
+    if applying == Applying::Live {
+        let traces = &shard.shared.traces;
+        spans::compensation(traces, event, reason_code, compensation, started, &reply);
+    }
+    let CompensateReply::Applied { stock_after } = reply? else { return Ok(()) };
     if applying == Applying::Live {
         shard.metrics().compensations.fetch_add(1, Ordering::Relaxed);
         shard.shared.sku_funnel.count(shard.id, key, Stage::Compensations);

@@ -73,9 +73,25 @@ pub struct WorkerConfig {
     pub error_pause_ms: u64,
     /// Bound on each phase of a graceful shutdown.
     pub shutdown_timeout_ms: u64,
+    /// Where the order writes' spans go (`flashsale_io::trace`).
+    pub tracing: WorkerTracing,
     /// The order timeout closer (`payments::close_due_orders`), one task beside the outbox;
     /// it borrows a pooled connection per round, like the lag task.
     pub closer: crate::payments::CloserConfig,
+}
+
+/// Where the worker's spans go.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum WorkerTracing {
+    /// Recorded nowhere.
+    #[default]
+    Off,
+    /// Into the sink of the process it runs in, exported by that process (`flashsale serve`:
+    /// the durable side's exporter).
+    Shared(flashsale_io::trace::TraceSink),
+    /// Into a sink of its own, exported by a task on the worker's runtime (`flashsale
+    /// worker`).
+    Export(flashsale_io::trace::TraceConfig),
 }
 
 impl Default for WorkerConfig {
@@ -103,6 +119,7 @@ impl Default for WorkerConfig {
             lag_poll_ms: 500,
             error_pause_ms: 200,
             shutdown_timeout_ms: 10_000,
+            tracing: WorkerTracing::Off,
             closer: crate::payments::CloserConfig::default(),
         }
     }
@@ -144,6 +161,9 @@ impl WorkerConfig {
     /// Refuses settings that cannot work, with a message naming the knob (the first one found,
     /// in this order: the pool, the log, the closer, the tasks, the batches, the timings).
     pub fn validate(&self) -> Result<(), PgError> {
+        if let WorkerTracing::Export(tracing) = &self.tracing {
+            tracing.validate().map_err(|e| PgError::Config(format!("tracing: {e}")))?;
+        }
         self.pg.validate()?;
         self.log.validate()?;
         self.closer.validate()?;

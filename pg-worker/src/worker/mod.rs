@@ -60,6 +60,7 @@
 mod closer_task;
 mod config;
 mod lag_task;
+mod order_trace;
 mod order_writer_task;
 mod outbox_task;
 mod shared;
@@ -72,7 +73,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use config::{
-    order_writers_for_pg_cores, WorkerConfig, FETCH_MAX, ORDER_WRITERS_MAX,
+    order_writers_for_pg_cores, WorkerConfig, WorkerTracing, FETCH_MAX, ORDER_WRITERS_MAX,
     ORDER_WRITERS_PER_PG_CORE,
 };
 use shared::Shared;
@@ -155,15 +156,7 @@ pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
             }
         }));
     }
-    let mut others = Vec::with_capacity(config.outbox_publishers + 1);
-    for _ in 0..config.outbox_publishers {
-        let (shared, stop) = (shared.clone(), others_stop_rx.clone());
-        others.push(runtime.spawn(async move { outbox_task::run(&shared, stop).await }));
-    }
-    let (closer_shared, closer_stop) = (shared.clone(), others_stop_rx.clone());
-    others.push(runtime.spawn(async move { closer_task::run(&closer_shared, closer_stop).await }));
-    let lag_shared = shared.clone();
-    others.push(runtime.spawn(async move { lag_task::run(&lag_shared, others_stop_rx).await }));
+    let others = spawn_others(&runtime, &shared, &config, &others_stop_rx);
     tracing::info!(
         order_writers = config.order_writers,
         order_path = ?config.order_path,
@@ -185,6 +178,31 @@ pub fn start(config: WorkerConfig) -> Result<WorkerHandle, PgError> {
     })
 }
 
+/// The tasks stopped after the writers: the outbox publishers, the closer, the lag poll, and
+/// for `flashsale worker` the trace exporter (so the writers' last spans still go out).
+fn spawn_others(
+    runtime: &tokio::runtime::Runtime,
+    shared: &Arc<Shared>,
+    config: &WorkerConfig,
+    stop: &watch::Receiver<bool>,
+) -> Vec<JoinHandle<()>> {
+    let mut others = Vec::with_capacity(config.outbox_publishers + 3);
+    for _ in 0..config.outbox_publishers {
+        let (shared, stop) = (shared.clone(), stop.clone());
+        others.push(runtime.spawn(async move { outbox_task::run(&shared, stop).await }));
+    }
+    let (closer_shared, closer_stop) = (shared.clone(), stop.clone());
+    others.push(runtime.spawn(async move { closer_task::run(&closer_shared, closer_stop).await }));
+    let (lag_shared, lag_stop) = (shared.clone(), stop.clone());
+    others.push(runtime.spawn(async move { lag_task::run(&lag_shared, lag_stop).await }));
+    if let WorkerTracing::Export(tracing) = &config.tracing {
+        let sink = shared.traces.clone();
+        let run = flashsale_io::trace::export::run(sink, tracing.clone(), stop.clone());
+        others.push(runtime.spawn(run));
+    }
+    others
+}
+
 async fn init(config: WorkerConfig) -> Result<Shared, PgError> {
     let log = Log::connect(&config.log).await?;
     log.ensure_streams().await?;
@@ -195,7 +213,13 @@ async fn init(config: WorkerConfig) -> Result<Shared, PgError> {
     client.prepare_cached(crate::sql::ORDER_CREATE_SQL).await?;
     client.prepare_cached(crate::sql::ORDER_FACTS_SQL).await?;
     drop(client);
+    let traces = match &config.tracing {
+        WorkerTracing::Off => flashsale_io::trace::TraceSink::disabled(),
+        WorkerTracing::Shared(sink) => sink.clone(),
+        WorkerTracing::Export(tracing) => tracing.sink(),
+    };
     Ok(Shared {
+        traces,
         policy: config.retry_policy(),
         publisher: log.publisher(),
         lag: LogLag::default(),

@@ -9,7 +9,7 @@
 //! COMMIT and the acks.
 //!
 //! What it is not: the transaction (`order_path.rs` and the writers), the delivery rules
-//! (`classify.rs`), or the other tasks (`outbox_task.rs`, `closer_task.rs`, `lag_task.rs`).
+//! (`classify.rs`), its spans (`order_trace.rs`), or the other tasks (`outbox_task.rs`, `closer_task.rs`, `lag_task.rs`).
 //!
 //! Read next: `../order_path.rs`, `../classify.rs`, `../batching.rs`.
 
@@ -18,6 +18,7 @@ use flashsale_io::wire::{decode_order_create, DecodeError, OrderCreate, RejectRe
 use tokio::sync::watch;
 use tracing::Instrument;
 
+use super::order_trace::{record_batch, WrittenBatch};
 use super::shared::{ms, now_ms, pause, within_deadline, Shared};
 use crate::batching::FetchSizer;
 use crate::classify::{classify, Action, Attempt, WriteOutcome};
@@ -65,12 +66,24 @@ async fn process_batch(shared: &Shared, deliveries: &[Delivery], stop: &mut watc
     });
     let messages: Vec<&OrderCreate> =
         writable.iter().filter_map(|&i| decoded[i].as_ref().ok()).collect();
+    let started = std::time::SystemTime::now();
     let written = if messages.is_empty() {
         Ok(Vec::new())
     } else {
         write_holding(shared, &messages, deliveries, stop).await
     };
     let commit_ms = now_ms();
+    if shared.traces.is_enabled() {
+        let delivered: Vec<u32> = writable.iter().map(|&i| deliveries[i].delivered()).collect();
+        let batch = WrittenBatch {
+            messages: &messages,
+            delivered: &delivered,
+            written: &written,
+            started,
+            ended: std::time::SystemTime::now(),
+        };
+        record_batch(&shared.traces, &batch);
+    }
     let mut outcome_of: Vec<Option<usize>> = vec![None; deliveries.len()];
     for (k, &i) in writable.iter().enumerate() {
         outcome_of[i] = Some(k);

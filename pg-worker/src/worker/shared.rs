@@ -26,6 +26,8 @@ pub(super) struct Shared {
     pub(super) log: Log,
     pub(super) publisher: Publisher,
     pub(super) lag: LogLag,
+    /// Where the order writes' spans go (disabled unless tracing is configured).
+    pub(super) traces: flashsale_io::trace::TraceSink,
 }
 
 /// The wall clock, in unix milliseconds (0 before 1970).

@@ -89,6 +89,7 @@ impl Stack {
             error_pause_ms: 50,
             shutdown_timeout_ms: 10_000,
             closer: Default::default(),
+            tracing: Default::default(),
         }
     }
 

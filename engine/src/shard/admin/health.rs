@@ -55,6 +55,7 @@ pub fn metrics(shared: &EdgeShared) -> (Status, String) {
     render_mode(shared, &mut text);
     shared.health.render_drain(&mut text);
     shared.health.deps.render(&mut text);
+    shared.traces.stats().render(&mut text);
     if let Some(facts) = shared.redis_facts.get() {
         facts.render_metrics(&mut text);
     }
