@@ -465,9 +465,20 @@ impl Engine {
         sku: u64,
         request_id: &str,
     ) -> (u16, serde_json::Value) {
+        self.submit_units(client, (user, request_id), (activity, sku), 1)
+    }
+
+    /// [`Engine::submit`] for `quantity` units.
+    pub fn submit_units(
+        &self,
+        client: &mut HttpClient,
+        (user, request_id): (u64, &str),
+        (activity, sku): (u64, u64),
+        quantity: u32,
+    ) -> (u16, serde_json::Value) {
         let pass = self.pass(user, activity);
         let body = format!(
-            r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{request_id}","quantity":1}}"#
+            r#"{{"activity_id":{activity},"sku_id":{sku},"request_id":"{request_id}","quantity":{quantity}}}"#
         );
         let resp = client.request("POST", "/v1/reservations", Some(&pass), Some(&body));
         (resp.status, resp.json())

@@ -62,12 +62,24 @@ fn resolve_and_check_sold_out(
     assert_pg(&pg);
     assert_redis_settled(stores, &pg, ACTIVITY, SKU, stock);
     assert_promise(stores, &pg, ACTIVITY, SKU, intents, &resolved);
-    assert_eq!(pg.orders.len() as u64, stock, "{:?}", pg.report);
+    assert_eq!(pg.report.units_live as u64, stock, "{:?}", pg.report);
     assert_reconcile_ok(engine, ACTIVITY, SKU);
     resolved
 }
 
+/// How many units each buyer of a drill asks.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Units {
+    One,
+    /// 1, 2 and 3 in turn, of a SKU that allows 3 per buyer (issue 29).
+    OneToThree,
+}
+
 fn kill_at(failpoint: &'static str, hit: u64) {
+    kill_at_with(failpoint, hit, Units::One);
+}
+
+fn kill_at_with(failpoint: &'static str, hit: u64, units: Units) {
     let _serial = serial();
     let rt = runtime();
     let stores = Stores::start(&rt);
@@ -76,8 +88,16 @@ fn kill_at(failpoint: &'static str, hit: u64) {
         &stores,
         ChildOptions { failpoint: Some((failpoint, hit)), ..ChildOptions::default() },
     );
-    first.create_activity(ACTIVITY, SKU, stock);
-    let before = submit_all(first.http, ACTIVITY, SKU, intents(1..=90, failpoint), 6);
+    let mut buyers = intents(1..=90, failpoint);
+    if units == Units::OneToThree {
+        first.create_activity_limited(ACTIVITY, SKU, stock, 3);
+        for intent in &mut buyers {
+            intent.quantity = 1 + (intent.user % 3) as u32;
+        }
+    } else {
+        first.create_activity(ACTIVITY, SKU, stock);
+    }
+    let before = submit_all(first.http, ACTIVITY, SKU, buyers, 6);
     first.expect_abort(Duration::from_secs(30));
     let unanswered = before.iter().filter(|i| !i.settled()).count();
     eprintln!("{failpoint}@{hit}: engine aborted; {unanswered} of 90 buyers without an answer");
@@ -87,17 +107,26 @@ fn kill_at(failpoint: &'static str, hit: u64) {
     // Every buyer left without an answer by the crash has one now (same request id).
     let still_unanswered: Vec<_> = intents.iter().filter(|i| !i.settled()).collect();
     assert!(still_unanswered.is_empty(), "buyers without an answer: {still_unanswered:?}");
-    // 90 buyers who all got an answer in the end for 60 units: every unit is an order, no
-    // reservation was lost and none failed.
+    // 90 buyers who all got an answer in the end for 60 units: every unit is an order (in
+    // whole reservations), no reservation was lost and none failed.
     let resolved = resolve_and_check_sold_out(&rt, &stores, &second, &intents, stock);
     assert!(resolved.values().all(|r| r.state == "SUCCEEDED"), "{resolved:?}");
-    assert_eq!(intents.iter().filter(|i| i.promised()).count() as u64, stock);
+    let promised: u64 =
+        intents.iter().filter(|i| i.promised()).map(|i| u64::from(i.quantity)).sum();
+    assert_eq!(promised, stock, "the promised buyers' units are the stock");
     second.stop();
 }
 
 #[test]
 fn kill_after_reserve_created_then_restart() {
     kill_at("after_reserve_created", 15);
+}
+
+/// Drill a with buyers of 1, 2 or 3 units each: the reservations of several units survive the
+/// crash whole, and the units sold are exactly the stock.
+#[test]
+fn kill_after_reserve_created_with_several_units_per_buyer_then_restart() {
+    kill_at_with("after_reserve_created", 10, Units::OneToThree);
 }
 
 #[test]

@@ -1032,11 +1032,16 @@ async fn wrapped(
 /// object per line, in a fixed order (events in event-id order: their order is part of the
 /// contract).
 async fn canonical_dump(client: &Client) -> String {
-    const QUERIES: [(&str, &str); 7] = [
+    const QUERIES: [(&str, &str); 8] = [
         (
             "orders",
             "SELECT order_id, activity_id, sku_id, user_id, request_id, reservation_id, \
-                    inventory_token_id, status FROM orders ORDER BY order_id",
+                    inventory_token_id, status, quantity FROM orders ORDER BY order_id",
+        ),
+        (
+            "order_items",
+            "SELECT order_id, activity_id, sku_id, quantity, token_ids FROM order_items \
+                    ORDER BY order_id",
         ),
         (
             "inventory_token",
@@ -1051,13 +1056,13 @@ async fn canonical_dump(client: &Client) -> String {
         (
             "inventory_reservation",
             "SELECT reservation_id, request_id, message_id, activity_id, \
-                    sku_id, user_id, status, order_id, reserved_at, expires_at \
+                    sku_id, user_id, status, order_id, reserved_at, expires_at, quantity \
                     FROM inventory_reservation ORDER BY reservation_id",
         ),
         (
             "inventory_ledger",
             "SELECT activity_id, sku_id, token_id, order_id, reservation_id, \
-                    kind FROM inventory_ledger ORDER BY reservation_id, kind",
+                    kind, unit_no FROM inventory_ledger ORDER BY reservation_id, kind, unit_no",
         ),
         (
             "event_outbox",
@@ -1353,11 +1358,57 @@ async fn the_set_based_path_writes_what_the_per_message_path_writes() {
     assert_eq!(kind(&outcomes[2]), "created");
     assert_eq!(kind(&outcomes[6]), "created", "the units the duplicates did not take");
 
+    // Quantities (migration 0010): all units or none, per allocator; a duplicate buyer's units
+    // stay for the next message; the last units go to whoever asks for no more than is left.
+    const QT: i64 = 5; // TOKEN, 5 units
+    const QR: i64 = 6; // ROW, 5 units
+    pair.seed(ACTIVITY, QT, 5, "TOKEN").await;
+    pair.seed(ACTIVITY, QR, 5, "ROW").await;
+    let units = |sku: i64, user: u64, tag: &str, quantity: u32| OrderCreate {
+        quantity,
+        ..m(sku, user, tag)
+    };
+    let seventh = vec![
+        units(QT, 30, "qa1", 2),
+        units(QT, 30, "qa2", 2), // qa1's buyer: its two units stay
+        units(QT, 31, "qa3", 3),
+        units(QT, 32, "qa4", 2), // 0 left of 5
+        units(QR, 30, "qb1", 3),
+        units(QR, 31, "qb2", 3), // 2 left: none of them taken
+        units(QR, 32, "qb3", 2),
+    ];
+    let outcomes = pair.step("quantities", &seventh, SetSide::SetOnly).await;
+    assert_eq!(
+        outcomes.iter().map(kind).collect::<Vec<_>>(),
+        ["created", "rejected", "created", "rejected", "created", "rejected", "created"]
+    );
+    let WriteOutcome::Created { token_ids, .. } = &outcomes[2] else { unreachable!() };
+    assert_eq!(token_ids.len(), 3, "one token per unit");
+    for db in [&pair.old, &pair.new] {
+        let units_sold = db
+            .client
+            .query_one(
+                "SELECT coalesce(sum(quantity), 0)::bigint FROM orders \
+                 WHERE activity_id = $1 AND sku_id IN ($2, $3)",
+                &[&ACTIVITY, &QT, &QR],
+            )
+            .await
+            .expect("units")
+            .get::<_, i64>(0);
+        assert_eq!(units_sold, 10, "{}: every unit of both SKUs, in whole orders", db.db.name);
+    }
+
     pair.assert_same_rows().await;
     for db in [&pair.old, &pair.new] {
-        for (activity, sku) in
-            [(ACTIVITY, T), (ACTIVITY, R), (ACTIVITY, L), (ACTIVITY, D), (TERMINATED, T)]
-        {
+        for (activity, sku) in [
+            (ACTIVITY, T),
+            (ACTIVITY, R),
+            (ACTIVITY, L),
+            (ACTIVITY, D),
+            (ACTIVITY, QT),
+            (ACTIVITY, QR),
+            (TERMINATED, T),
+        ] {
             let report = flashsale_pg_worker::check_invariants(&db.client, activity, sku)
                 .await
                 .expect("invariants");
@@ -1425,6 +1476,8 @@ async fn random_sequences_give_the_same_rows_on_both_paths() {
                     k => (activity, 1 + k % 3),
                 };
                 let mut m = message(activity, sku, rng.gen_range(1..8), &tag);
+                // 1 to 3 units (migration 0010: both paths take all of them or none).
+                m.quantity = rng.gen_range(1..=3);
                 if rng.gen_bool(0.2) {
                     // Another message's reservation under this message id.
                     m.reservation_id = format!("resv_s{seed}_{run}_{}", rng.gen_range(0..30));

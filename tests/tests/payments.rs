@@ -736,3 +736,111 @@ fn the_worker_closes_unpaid_orders_and_keeps_unknown_ones() {
     assert_eq!((state(&v), v["order_status"].as_str()), ("REFUND_NEEDED", Some("CLOSED")));
     engine_invariants(&engine, a as i64, s as i64);
 }
+
+/// Buying more than one unit (issue 29) end to end: a buyer takes up to the SKU's limit in one
+/// order; over it, another quantity under the same request id, a second request of a buyer
+/// with an order, and more units than are left are refused with their own answers and reserve
+/// nothing; the order holds one token, one ledger CLAIM and one item per unit and costs price
+/// × quantity; a cancel gives every unit back (PostgreSQL and Redis), a payment of the total
+/// sells every unit; every invariant holds per unit.
+#[test]
+fn an_order_of_several_units_moves_every_unit_and_costs_its_total() {
+    let engine = engine_with_worker(|_| {});
+    let (a, s) = (291, 292);
+    engine.create_activity_with(&format!(
+        r#"{{"activity_id":{a},"sku_id":{s},"stock":10,"max_per_buyer":3,"price_cents":500,"pay_timeout_ms":{PAY_TIMEOUT_MS}}}"#
+    ));
+    let mut c = HttpClient::connect(engine.http());
+    let units = |c: &mut HttpClient, user: u64, id: &str, quantity: u32| {
+        engine.submit_units(c, (user, id), (a, s), quantity).1
+    };
+    let v = units(&mut c, 2, "q-2", 4);
+    assert_eq!((state(&v), v["reason_code"].as_str()), ("INVALID", Some("QUANTITY_OVER_LIMIT")));
+    let v = units(&mut c, 1, "q-1", 3);
+    assert_eq!(state(&v), "QUEUED", "{v}");
+    assert_eq!(stock(&engine, a, s), "7");
+    assert_eq!(state(&units(&mut c, 1, "q-1", 2)), "IDEMPOTENCY_CONFLICT");
+    assert_eq!(state(&units(&mut c, 1, "q-1b", 1)), "DUPLICATE_USER");
+    let order_of = |c: &mut HttpClient, user: u64, id: &str| {
+        let mut order_id = String::new();
+        wait_for_ms("order created", 10_000, || {
+            let (_, v) = engine.query(c, user, a, s, id);
+            order_id = v["order_id"].as_str().unwrap_or("").to_owned();
+            state(&v) == "SUCCEEDED"
+        });
+        order_id
+    };
+    let o1 = order_of(&mut c, 1, "q-1");
+    assert_eq!(state(&units(&mut c, 3, "q-3", 3)), "QUEUED");
+    assert_eq!(state(&units(&mut c, 4, "q-4", 3)), "QUEUED");
+    // One unit left: two asked is its own answer, nothing reserved, not sold out.
+    let v = units(&mut c, 5, "q-5", 2);
+    assert_eq!((state(&v), v["reason_code"].as_str()), ("SOLD_OUT", Some("QUANTITY_UNAVAILABLE")));
+    assert_eq!(stock(&engine, a, s), "1");
+    assert_eq!(state(&units(&mut c, 6, "q-6", 1)), "QUEUED");
+    assert_eq!(stock(&engine, a, s), "0");
+    let o4 = order_of(&mut c, 4, "q-4");
+    order_of(&mut c, 6, "q-6");
+
+    let orders = pg(async {
+        let client = connect(&engine.db.url).await;
+        let row = client
+            .query_one(
+                "SELECT o.quantity, o.amount_cents, cardinality(i.token_ids), \
+                        (SELECT count(*) FROM inventory_ledger l \
+                         WHERE l.order_id = o.order_id AND l.kind = 'CLAIM') \
+                 FROM orders o JOIN order_items i ON i.order_id = o.order_id \
+                 WHERE o.order_id = $1",
+                &[&o1],
+            )
+            .await
+            .unwrap();
+        let facts: (i32, i64, i32, i64) = (row.get(0), row.get(1), row.get(2), row.get(3));
+        facts
+    });
+    assert_eq!(orders, (3, 1_500, 3, 3), "3 units: 3 tokens, 3 CLAIMs, 3 × 500");
+
+    // The buyer cancels: all three units back on sale, in PostgreSQL and in Redis.
+    let (status, v) = cancel(&engine, &mut c, 1, a, &o1);
+    assert_eq!((status, state(&v)), (200, "CANCELLED"), "{v}");
+    wait_for_ms("the three units back in Redis", 10_000, || stock(&engine, a, s) == "3");
+    // A payment of one unit's price is not the order's amount; the total pays all three.
+    let key = HmacKey::from_hex(PAY_KEY_HEX).unwrap();
+    let (_, short) = post_callback(&mut c, &callback_body(&key, "p-short", &o4, "PAID", 500));
+    assert_eq!(short["state"], "AMOUNT_MISMATCH", "{short}");
+    let o3 = order_of(&mut c, 3, "q-3");
+    let (_, paid) = post_callback(&mut c, &callback_body(&key, "p-3", &o3, "PAID", 1_500));
+    assert_eq!(paid["state"], "PAID", "{paid}");
+    pg(async {
+        let client = connect(&engine.db.url).await;
+        let sold = count(
+            &client,
+            &format!(
+                "SELECT count(*) FROM inventory_token t JOIN orders o \
+                 ON o.reservation_id = t.reservation_id \
+                 WHERE o.order_id = '{o3}' AND t.status = 'SOLD'"
+            ),
+        )
+        .await;
+        assert_eq!(sold, 3, "every unit of the paid order sold");
+        let sells = count(
+            &client,
+            &format!(
+                "SELECT count(*) FROM inventory_ledger WHERE order_id = '{o3}' AND kind = 'SELL'"
+            ),
+        )
+        .await;
+        assert_eq!(sells, 3, "one SELL per unit");
+        let released = count(
+            &client,
+            &format!(
+                "SELECT count(*) FROM inventory_ledger WHERE order_id = '{o1}' AND kind = 'RELEASE'"
+            ),
+        )
+        .await;
+        assert_eq!(released, 3, "one RELEASE per unit");
+    });
+    engine_invariants(&engine, a as i64, s as i64);
+    wait_for_ms("redis-sync idle", 20_000, || redis_sync_idle(&engine));
+    engine.assert_reconciled(a, s);
+}

@@ -7,6 +7,11 @@
 //! reservation per winner, nothing recorded for the losers (their replays are still SOLD_OUT),
 //! and every winner's replay returns its own first ids.
 //!
+//! The same burst with quantities (issue 29): buyers ask 1, 2 or 3 units of a SKU that allows
+//! 2 per buyer; exactly the stock is sold, no reservation is split (each winner holds exactly
+//! what it asked), none is over the limit, and the answers that reserved nothing recorded
+//! nothing.
+//!
 //! Retries follow the client's contract: `Full` and `NotSent` are retried as is; an unknown
 //! outcome is retried with the SAME ids, and such a request then counts as a winner only via
 //! an IDEMPOTENT reply (which the test then requires). The timeout is generous so that in
@@ -55,6 +60,16 @@ fn user_id(i: u64) -> u64 {
 /// The final reply for buyer `i`, retrying as the client contract allows. Returns the reply
 /// and whether any attempt had an unknown outcome.
 async fn reserve_until_answered(f: &Functions, keys: &SkuKeys, i: u64) -> (ReserveReply, bool) {
+    reserve_units_until_answered(f, keys, i, 1).await
+}
+
+/// [`reserve_until_answered`] for `quantity` units.
+async fn reserve_units_until_answered(
+    f: &Functions,
+    keys: &SkuKeys,
+    i: u64,
+    quantity: u32,
+) -> (ReserveReply, bool) {
     let (request_id, reservation_id, message_id) =
         (request_id(i), reservation_id(i), message_id(i));
     let payload_hash = format!("sha256:{i}");
@@ -66,7 +81,7 @@ async fn reserve_until_answered(f: &Functions, keys: &SkuKeys, i: u64) -> (Reser
         message_id: &message_id,
         now_ms: NOW_MS,
         pending_grace_ms: 2_000,
-        quantity: 1,
+        quantity,
     };
     let mut unknown = false;
     for _ in 0..ATTEMPTS_MAX {
@@ -226,6 +241,87 @@ fn hundred_units_ten_thousand_buyers() {
         );
         let stock = client.command(&[b"GET", key("stock").as_bytes()]).await.unwrap();
         assert_eq!(stock.as_str(), Some("0"));
+    });
+    drop(redis);
+}
+
+/// Buyers asking 1, 2 or 3 units (in turn) of a SKU of 100 units that allows 2 per buyer.
+#[test]
+fn one_to_three_units_per_buyer_never_split_never_over_the_limit_never_oversold() {
+    const BUYERS: u64 = 3_000;
+    let redis = flashsale_tests::redis();
+    let addr = redis.addr();
+    flashsale_tests::glommio(move || async move {
+        let mut config = RedisConfig::new(addr);
+        config.in_flight_max = 1024;
+        config.command_timeout = Duration::from_secs(10);
+        let client = RedisClient::connect(config).await.unwrap();
+        let f = Rc::new(Functions::new(client));
+        let keys = Rc::new(SkuKeys::new(A, S));
+        load_library(f.client()).await.unwrap();
+        let preheat = PreheatArgs {
+            status: ActivityStatus::Active,
+            start_ms: NOW_MS - 1_000,
+            end_ms: NOW_MS + 3_600_000,
+            version: 1,
+            reservation_ttl_ms: 300_000,
+            stock: STOCK,
+            max_per_buyer: 2,
+        };
+        assert_eq!(f.preheat(&keys, &preheat).await.unwrap(), PreheatReply::Applied { version: 1 });
+        let quantity = |i: u64| 1 + (i % 3) as u32;
+        let buyers: Vec<_> = (0..BUYERS)
+            .map(|i| {
+                let (f, keys) = (f.clone(), keys.clone());
+                glommio::spawn_local(async move {
+                    reserve_units_until_answered(&f, &keys, i, quantity(i)).await
+                })
+            })
+            .collect();
+        let (mut units_sold, mut winners, mut over, mut fewer, mut sold_out) = (0u64, 0, 0, 0, 0);
+        let mut won = Vec::new();
+        for (i, buyer) in (0..BUYERS).zip(buyers) {
+            match buyer.await {
+                (ReserveReply::Created { .. }, _) => {
+                    units_sold += u64::from(quantity(i));
+                    winners += 1;
+                    won.push(i);
+                }
+                (ReserveReply::Idempotent { reservation_id: r, .. }, true) => {
+                    assert_eq!(r, reservation_id(i));
+                    units_sold += u64::from(quantity(i));
+                    winners += 1;
+                    won.push(i);
+                }
+                (ReserveReply::OverLimit { max_per_buyer }, _) => {
+                    assert_eq!((quantity(i), max_per_buyer), (3, 2), "buyer {i}");
+                    over += 1;
+                }
+                (ReserveReply::FewerLeft { units_left }, _) => {
+                    assert!(u64::from(quantity(i)) > units_left, "buyer {i}: {units_left} left");
+                    fewer += 1;
+                }
+                (ReserveReply::SoldOut, _) => sold_out += 1,
+                other => panic!("buyer {i}: unexpected {other:?}"),
+            }
+        }
+        eprintln!(
+            "{winners} winners took {units_sold} units; {over} over the limit, {fewer} asked \
+             more than was left, {sold_out} sold out"
+        );
+        assert_eq!(units_sold, STOCK, "exactly the stock was sold, in whole reservations");
+        assert_eq!(over, BUYERS / 3, "every buyer asking 3 units is over the limit of 2");
+        let client = f.client();
+        let stock = client.command(&[b"GET", key("stock").as_bytes()]).await.unwrap();
+        assert_eq!(stock.as_str(), Some("0"));
+        // Records exist for the winners only, each with the units it asked.
+        assert_eq!(count_keys(client, &key("req:*")).await, won.len());
+        assert_eq!(count_keys(client, &key("user:*")).await, won.len());
+        for &i in &won {
+            let resv = key(&format!("resv:{}", reservation_id(i)));
+            let q = client.command(&[b"HGET", resv.as_bytes(), b"quantity"]).await.unwrap();
+            assert_eq!(q.as_str(), Some(quantity(i).to_string().as_str()), "winner {i}");
+        }
     });
     drop(redis);
 }
