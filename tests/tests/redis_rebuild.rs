@@ -34,6 +34,8 @@ use serde_json::Value;
 const CONTROL: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 /// Buyers who reserve before the loss.
 const FIRST: u64 = 30;
+/// Units each first buyer takes: the rebuild restores quantities, not just markers.
+const FIRST_UNITS: u32 = 2;
 /// Enough that units are left when the SKU reopens: the checks after it need a SKU on sale
 /// (sold out, the edge answers SOLD_OUT to any new request id on its own).
 const STOCK: u64 = 200;
@@ -67,13 +69,13 @@ fn submit_through_closure(
     engine: &Engine,
     c: &mut HttpClient,
     (user, id): (u64, &str),
-    sku: (u64, u64),
+    (sku, quantity): ((u64, u64), u32),
     answers: &mut Answers,
     within: Duration,
 ) -> Value {
     let deadline = Instant::now() + within;
     loop {
-        let (_, v) = engine.submit(c, user, sku.0, sku.1, id);
+        let (_, v) = engine.submit_units(c, (user, id), sku, quantity);
         answers.record(user, id, &v);
         if state(&v) != "SUBMIT_CLOSED" || Instant::now() > deadline {
             return v;
@@ -101,7 +103,10 @@ struct Drill {
 /// retry on `peer`, which never accepted them (its replay map cannot answer for them: only
 /// Redis can). `reopen` runs once the SKU is closed (the negative control's operator).
 fn drill(engine: &Engine, peer: &Peer, sku: (u64, u64), reopen: impl FnOnce()) -> Drill {
-    engine.create_activity(sku.0, sku.1, STOCK);
+    engine.create_activity_with(&format!(
+        r#"{{"activity_id":{},"sku_id":{},"stock":{STOCK},"max_per_buyer":{FIRST_UNITS}}}"#,
+        sku.0, sku.1
+    ));
     // The owner has read the SKU's meta at least once (the activity refresh, every second).
     std::thread::sleep(Duration::from_millis(1_500));
     let mut c = HttpClient::connect(engine.http());
@@ -109,7 +114,7 @@ fn drill(engine: &Engine, peer: &Peer, sku: (u64, u64), reopen: impl FnOnce()) -
     let mut first = BTreeMap::new();
     for user in 1..=FIRST {
         let id = format!("first-{user}");
-        let (_, v) = engine.submit(&mut c, user, sku.0, sku.1, &id);
+        let (_, v) = engine.submit_units(&mut c, (user, &id), sku, FIRST_UNITS);
         answers.record(user, &id, &v);
         assert_eq!(state(&v), "QUEUED", "{v}");
         first.insert(user, (id, v["reservation_id"].as_str().unwrap().to_owned()));
@@ -133,7 +138,7 @@ fn drill(engine: &Engine, peer: &Peer, sku: (u64, u64), reopen: impl FnOnce()) -
             engine,
             &mut c,
             (*user, id),
-            sku,
+            (sku, FIRST_UNITS),
             &mut answers,
             deadline.saturating_duration_since(Instant::now()),
         );
@@ -150,7 +155,7 @@ fn drill(engine: &Engine, peer: &Peer, sku: (u64, u64), reopen: impl FnOnce()) -
             engine,
             &mut c,
             (*user, &id),
-            sku,
+            (sku, 1),
             &mut answers,
             deadline.saturating_duration_since(Instant::now()),
         );
@@ -203,11 +208,11 @@ fn flushall_mid_sale_every_buyer_keeps_his_answer() {
     for user in d.first.keys() {
         assert!(promised.iter().any(|(u, _)| u == user), "first buyer {user} promised");
     }
-    let orders = engine.pg_count(&format!(
-        "SELECT count(*) FROM orders WHERE activity_id = {} AND sku_id = {}",
+    let units = engine.pg_count(&format!(
+        "SELECT coalesce(sum(quantity), 0) FROM orders WHERE activity_id = {} AND sku_id = {}",
         sku.0, sku.1
     ));
-    assert_eq!(orders as u64, STOCK, "sold out: orders = stock");
+    assert_eq!(units as u64, STOCK, "sold out: units ordered = stock");
     // Redis holds what PostgreSQL holds: no stock left, every buyer's marker.
     assert_eq!(engine.redis_stock(sku.0, sku.1), 0);
 }
