@@ -5,7 +5,7 @@
 //!
 //! Not here: an activity's later changes (`lifecycle.rs`).
 
-use std::time::Duration;
+use crate::durable::DurableError;
 
 use flashsale_io::bounds;
 use flashsale_io::redis::layout::{ActivityStatus, SkuMember};
@@ -24,8 +24,6 @@ use crate::shard::reply::{error, not_found};
 const DEFAULT_WINDOW_MS: i64 = 24 * 3600 * 1000;
 const DEFAULT_RESERVATION_TTL_MS: i64 = 5 * 60 * 1000;
 const DEFAULT_PAY_TIMEOUT_MS: i64 = 15 * 60 * 1000;
-/// Bound on an admin call's wait for PostgreSQL.
-const ADMIN_PG_WAIT_MS: u64 = 30_000;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -162,23 +160,23 @@ pub async fn create_activity(deps: &AdminDeps<'_>, body: &[u8]) -> (Status, Stri
 }
 
 /// The activity's rows and tokens (PENDING), in one transaction, bounded by
-/// `ADMIN_PG_WAIT_MS`.
+/// [`super::ADMIN_PG_WAIT`].
 async fn create_rows(
     deps: &AdminDeps<'_>,
     spec: &ActivitySpec,
 ) -> Result<CreateActivity, (Status, String)> {
-    let wait = Duration::from_millis(ADMIN_PG_WAIT_MS);
     let spec = spec.clone();
-    let create = deps.shared.durable.pg(move |mut client| async move {
-        activity_creation::create_activity(&mut client, &spec).await
-    });
-    match glommio::timer::timeout(wait, async { Ok(create.await) }).await {
-        Ok(Ok(outcome)) => Ok(outcome),
-        Ok(Err(e)) => {
+    let create =
+        deps.shared.durable.pg_within(super::ADMIN_PG_WAIT, move |mut client| async move {
+            activity_creation::create_activity(&mut client, &spec).await
+        });
+    match create.await {
+        Ok(outcome) => Ok(outcome),
+        Err(DurableError::Timeout) => Err(error(Status::ServiceUnavailable, "POSTGRES_TIMEOUT")),
+        Err(e) => {
             tracing::warn!(error = %e, "create activity failed");
             Err(error(Status::ServiceUnavailable, "POSTGRES_UNAVAILABLE"))
         }
-        Err(_) => Err(error(Status::ServiceUnavailable, "POSTGRES_TIMEOUT")),
     }
 }
 
