@@ -19,9 +19,10 @@
 //!   (`commit_delay = 100`, `commit_siblings = 2` on the server for this case), `row` (the ROW
 //!   allocator instead of TOKEN), `noout` (the outbox publisher held back, to attribute
 //!   PostgreSQL's CPU; not a production setting), `fixed` (`fetch_min = fetch_max`: no
-//!   adaptive growth). Default: the issue's baseline (`per_message:32:4`), the old worker
+//!   adaptive growth), `mix` (buyers of 1, 2 and 3 units in turn, issue 29: 2 units per order
+//!   on average, the SKU's limit 3; the table gives per order and per unit). Default: the issue's baseline (`per_message:32:4`), the old worker
 //!   default (`per_message:32:6`), the new default (`set:512:4`), and the set path at 512
-//!   with 2 writers and at 128 and 32 with 4;
+//!   with 2 writers and at 128 and 32 with 4, and the new default with the quantity mix;
 //! - `FLASHSALE_BENCH_REPEATS` (3): every case that many times, interleaved (case 1, case 2,
 //!   ..., case 1, ...), so a noisy spell of the shared machine spreads over all cases;
 //!   medians are reported, and ratios against the first case;
@@ -92,6 +93,8 @@ struct Spec {
     /// The outbox publisher held back during the measurement (for attribution only: in
     /// production it runs beside the writers).
     no_outbox: bool,
+    /// Orders of 1, 2 and 3 units in turn instead of one unit each.
+    mixed_quantities: bool,
 }
 
 impl Spec {
@@ -114,6 +117,7 @@ impl Spec {
             commit_delay: options.contains(&"cd"),
             no_outbox: options.contains(&"noout"),
             fixed_ask: options.contains(&"fixed"),
+            mixed_quantities: options.contains(&"mix"),
         }
     }
 
@@ -138,7 +142,19 @@ impl Spec {
         if self.fixed_ask {
             label.push_str(" fixed ask");
         }
+        if self.mixed_quantities {
+            label.push_str(" 1-3 units");
+        }
         label
+    }
+
+    /// Units of the `n`th order (from 1).
+    fn quantity(&self, n: u64) -> u32 {
+        if self.mixed_quantities {
+            1 + (n % 3) as u32
+        } else {
+            1
+        }
     }
 
     fn worker_config(&self, url: String, log: LogConfig) -> WorkerConfig {
@@ -164,6 +180,8 @@ impl Spec {
 
 struct Sample {
     seconds: f64,
+    /// Units the orders hold (= orders unless the case mixes quantities).
+    units: i64,
     pg_cpu_s: f64,
     bench_cpu_s: f64,
     wal_bytes: i64,
@@ -214,7 +232,7 @@ fn main() {
     let pgbench_clients: usize = env_or("FLASHSALE_BENCH_PGBENCH_CLIENTS", 0);
     let specs: Vec<Spec> = env_list(
         "FLASHSALE_BENCH_CASES",
-        "per_message:32:4,per_message:32:6,set:512:4,set:512:2,set:128:4,set:32:4",
+        "per_message:32:4,per_message:32:6,set:512:4,set:512:2,set:128:4,set:32:4,set:512:4:mix",
     )
     .iter()
     .map(|c| Spec::parse(c))
@@ -243,13 +261,14 @@ fn main() {
                 runtime.block_on(run_case(&pg.0, dir.path(), &name, spec, orders, ticks_per_s));
             println!(
                 "  round {round} {:<44} {:>6.3} s {:>7.0} orders/s  PG CPU {:>6.3} s = {:>4.0} us/order  \
-                 WAL {:>5.0} B/order  bench process CPU {:>5.2} s  (load average before {})",
+                 WAL {:>5.0} B/order  {:>6} units  bench process CPU {:>5.2} s  (load average before {})",
                 spec.label(),
                 sample.seconds,
                 orders as f64 / sample.seconds,
                 sample.pg_cpu_s,
                 sample.pg_cpu_s * 1e6 / orders as f64,
                 sample.wal_bytes as f64 / orders as f64,
+                sample.units,
                 sample.bench_cpu_s,
                 sample.load_before
             );
@@ -269,31 +288,37 @@ fn main() {
     }
 }
 
-/// Medians per case, and ratios against the first case (measured in the same rounds).
+/// Medians per case, per order and per unit, and ratios against the first case (measured
+/// in the same rounds).
 fn report(specs: &[Spec], samples: &mut [Vec<Sample>], orders: i64) {
-    let mut medians: Vec<(f64, f64)> = Vec::new();
-    for case in samples.iter() {
-        let mut seconds: Vec<f64> = case.iter().map(|s| s.seconds).collect();
-        let mut cpu: Vec<f64> = case.iter().map(|s| s.pg_cpu_s).collect();
-        medians.push((median(&mut seconds), median(&mut cpu)));
-    }
     println!(
-        "\n| case | {orders} orders, median s | orders/s | PG CPU us/order | x first case time | \
-         x first case PG CPU |"
+        "\n| case | {orders} orders, median s | orders/s | units/s | PG CPU us/order | \
+         PG CPU us/unit | x first case time | x first case PG CPU |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
+    let medians: Vec<(f64, f64)> = samples
+        .iter()
+        .map(|case| {
+            let mut seconds: Vec<f64> = case.iter().map(|s| s.seconds).collect();
+            let mut cpu: Vec<f64> = case.iter().map(|s| s.pg_cpu_s).collect();
+            (median(&mut seconds), median(&mut cpu))
+        })
+        .collect();
     let (base_s, base_cpu) = medians[0];
-    for (spec, (seconds, cpu)) in specs.iter().zip(&medians) {
+    for ((spec, case), (seconds, cpu)) in specs.iter().zip(samples.iter()).zip(&medians) {
+        // Every round of a case has the same units (the messages are the same).
+        let units = case.first().map_or(orders, |s| s.units) as f64;
         println!(
-            "| {} | {seconds:.3} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            "| {} | {seconds:.3} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
             spec.label(),
             orders as f64 / seconds,
+            units / seconds,
             cpu * 1e6 / orders as f64,
+            cpu * 1e6 / units,
             seconds / base_s,
             cpu / base_cpu
         );
     }
-    let _ = samples;
 }
 
 async fn connect(url: &str) -> Client {
@@ -308,14 +333,14 @@ fn db_url(pg: &Server, name: &str) -> String {
     format!("postgres://postgres@127.0.0.1:{}/{name}", pg.port)
 }
 
-/// A fresh, migrated database with one ACTIVE SKU of `stock` units.
+/// A fresh, migrated database with one ACTIVE SKU of `stock` units, `max_per_buyer` each.
 async fn fresh_database(
     pg: &Server,
     name: &str,
-    allocator: &str,
-    stock: i64,
-    half_empty_tokens: bool,
+    spec: &Spec,
+    (stock, max_per_buyer): (i64, i32),
 ) -> Client {
+    let allocator = spec.allocator;
     let admin = connect(&pg.url()).await;
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await.expect("drop");
     admin.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create");
@@ -333,13 +358,14 @@ async fn fresh_database(
     let available = (allocator == "ROW").then_some(stock);
     client
         .execute(
-            "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, available_stock) \
-             VALUES ($1, $2, $3, $4, $5)",
-            &[&ACTIVITY, &SKU, &stock, &allocator, &available],
+            "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, \
+                                        available_stock, max_per_buyer) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[&ACTIVITY, &SKU, &stock, &allocator, &available, &max_per_buyer],
         )
         .await
         .expect("sku");
-    if half_empty_tokens {
+    if spec.half_empty_tokens {
         client
             .batch_execute("ALTER TABLE inventory_token SET (fillfactor = 50)")
             .await
@@ -352,7 +378,7 @@ async fn fresh_database(
     client
 }
 
-fn messages(count: i64) -> Vec<OrderCreate> {
+fn messages(count: i64, spec: &Spec) -> Vec<OrderCreate> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
@@ -368,7 +394,7 @@ fn messages(count: i64) -> Vec<OrderCreate> {
             activity_id: ACTIVITY as u64,
             sku_id: SKU as u64,
             user_id: 1_000_000 + n,
-            quantity: 1,
+            quantity: spec.quantity(n),
             reserved_at_ms: now,
             reservation_expires_at_ms: now + 3_600_000,
             retry_count: 0,
@@ -387,7 +413,10 @@ async fn run_case(
     orders: i64,
     ticks_per_s: f64,
 ) -> Sample {
-    let client = fresh_database(pg, name, spec.allocator, orders, spec.half_empty_tokens).await;
+    let all = messages(orders, spec);
+    let units: i64 = all.iter().map(|m| i64::from(m.quantity)).sum();
+    let max_per_buyer = all.iter().map(|m| m.quantity as i32).max().unwrap_or(1);
+    let client = fresh_database(pg, name, spec, (units, max_per_buyer)).await;
     let admin = connect(&pg.url()).await;
     // ALTER SYSTEM refuses to run in a transaction block: one statement per call.
     let settings = if spec.commit_delay {
@@ -406,7 +435,6 @@ async fn run_case(
     log.ensure_streams().await.expect("streams");
     log.ensure_consumers().await.expect("consumers");
     let publisher = log.publisher();
-    let all = messages(orders);
     for chunk in all.chunks(1_000) {
         for result in
             futures::future::join_all(chunk.iter().map(|m| publisher.publish_order(m))).await
@@ -446,7 +474,7 @@ async fn run_case(
     worker.shutdown().expect("shutdown");
     let report = check_invariants(&client, ACTIVITY, SKU).await.expect("invariants");
     assert!(report.ok(), "{name}: {report:#?}");
-    assert_eq!(report.orders_live, orders);
+    assert_eq!((report.orders_live, report.units_live), (orders, units), "{name}: sold out");
     drop(client);
     admin
         .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
@@ -454,6 +482,7 @@ async fn run_case(
         .expect("drop the case database");
     Sample {
         seconds,
+        units,
         pg_cpu_s: pg_after.saturating_sub(pg_before) as f64 / ticks_per_s,
         bench_cpu_s: self_after.saturating_sub(self_before) as f64 / ticks_per_s,
         wal_bytes,
@@ -477,7 +506,9 @@ fn pgbench_binary() -> Option<PathBuf> {
 async fn pgbench(pg: &Server, allocator: &str, clients: usize, orders: i64) -> Result<f64, String> {
     let binary = pgbench_binary().ok_or("pgbench not found under /usr/lib/postgresql")?;
     let name = format!("pgbench_{}", allocator.to_ascii_lowercase());
-    drop(fresh_database(pg, &name, allocator, orders + orders / 5, false).await);
+    // Only the SKU's allocator matters here (the path and batch are the worker's).
+    let sku = Spec::parse(if allocator == "ROW" { "set:1:1:row" } else { "set:1:1" });
+    drop(fresh_database(pg, &name, &sku, (orders + orders / 5, 1)).await);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("pgbench/order_txn.sql");
     let per_client = (orders as usize).div_ceil(clients);
     let output = Command::new(binary)

@@ -19,9 +19,9 @@
 \set uid random(1, 1000000000)
 \set n random(1, 1000000000)
 BEGIN;
-SELECT r_outcome, r_recorded, r_order_id, r_token_id, r_claim_us
+SELECT r_outcome, r_recorded, r_order_id, r_token_ids, r_claim_us
 FROM flashsale_order_create('order-writer', 'msg_' || :client_id || '_' || :n,
-    'resv_' || :client_id || '_' || :n, 'req_' || :n, :activity, :sku, :uid,
+    'resv_' || :client_id || '_' || :n, 'req_' || :n, :activity, :sku, :uid, 1,
     now(), now() + interval '5 minutes', now(), 'ord_' || :client_id || '_' || :n, 1);
 SELECT flashsale_return_units();
 INSERT INTO event_outbox (aggregate_id, event_type, payload)

@@ -623,6 +623,7 @@ fn end_to_end_through_serve_a_queued_request_becomes_an_order() {
         None,
     );
     assert_eq!(sku.json()["live"]["orders_created"], 1, "{}", sku.body);
+    assert_eq!(sku.json()["max_per_buyer"], 1, "the default limit: {}", sku.body);
 }
 
 #[test]

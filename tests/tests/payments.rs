@@ -754,6 +754,13 @@ fn an_order_of_several_units_moves_every_unit_and_costs_its_total() {
     let units = |c: &mut HttpClient, user: u64, id: &str, quantity: u32| {
         engine.submit_units(c, (user, id), (a, s), quantity).1
     };
+    let config = HttpClient::connect(engine.admin()).request(
+        "GET",
+        &format!("/admin/v1/activities/{a}/skus/{s}"),
+        None,
+        None,
+    );
+    assert_eq!(config.json()["max_per_buyer"], 3, "{}", config.body);
     let v = units(&mut c, 2, "q-2", 4);
     assert_eq!((state(&v), v["reason_code"].as_str()), ("INVALID", Some("QUANTITY_OVER_LIMIT")));
     let v = units(&mut c, 1, "q-1", 3);

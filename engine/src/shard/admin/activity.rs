@@ -276,6 +276,7 @@ pub async fn sku_status(deps: &AdminDeps<'_>, key: SkuKey) -> (Status, String) {
             "end_at_ms": config.end_at_ms,
             "reservation_ttl_ms": config.reservation_ttl_ms,
             "pay_timeout_ms": config.pay_timeout_ms,
+            "max_per_buyer": config.max_per_buyer,
             "live": {
                 "redis_stock": counters.and_then(|c| c.stock),
                 "pending_reservations": counters.map(|c| c.pending),
