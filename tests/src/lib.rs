@@ -923,7 +923,7 @@ impl Engine {
             activity_id: activity,
             sku_id: sku,
             user_id: user,
-            quantity: 1,
+            quantity: field("quantity").parse().unwrap_or(1),
             reserved_at_ms: field("reserved_at").parse().unwrap(),
             reservation_expires_at_ms: field("expires_at").parse().unwrap(),
             retry_count: 0,

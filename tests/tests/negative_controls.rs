@@ -394,12 +394,14 @@ fn events_left(engine: &Engine) -> u64 {
     })
 }
 
-/// One unit reserved, its expiry rejection delivered twice (two event ids, as a re-emitted
-/// outcome is); returns (stock after, compensations counted).
+/// Two units reserved by one buyer (all the stock), their expiry rejection delivered twice
+/// (two event ids, as a re-emitted outcome is); returns (stock after, compensations counted).
 fn compensate_twice(engine: &Engine, a: u64, s: u64, first_event_id: i64) -> (i64, u64) {
-    engine.create_activity(a, s, 1);
+    engine.create_activity_with(&format!(
+        r#"{{"activity_id":{a},"sku_id":{s},"stock":2,"max_per_buyer":2}}"#
+    ));
     let mut c = HttpClient::connect(engine.http());
-    let (_, won) = engine.submit(&mut c, 1, a, s, "d-1");
+    let (_, won) = engine.submit_units(&mut c, (1, "d-1"), (a, s), 2);
     assert_eq!(state(&won), "QUEUED", "{won}");
     let resv = won["reservation_id"].as_str().unwrap().to_string();
     let counted_before = metric(&engine.metrics(), "flashsale_compensations_total");
@@ -419,8 +421,8 @@ fn compensate_twice(engine: &Engine, a: u64, s: u64, first_event_id: i64) -> (i6
 }
 
 /// edge.rs (`redis_sync_applies_results_and_compensation_clears_sold_out`): a rejection
-/// delivered twice returns its unit once. With the marker forgotten the unit comes back
-/// twice: Redis conservation (stock + live reservations = initial stock) is off by one.
+/// delivered twice returns its units once. With the marker forgotten the units come back
+/// twice: Redis conservation (stock + live reservations = initial stock) is off by two.
 #[test]
 fn comp_marker_off_a_compensation_applied_twice_returns_stock_twice() {
     let _serial = serial();
@@ -429,14 +431,14 @@ fn comp_marker_off_a_compensation_applied_twice_returns_stock_twice() {
     let (stock, counted) = compensate_twice(&engine, 401, 402, 1);
     drop(switch);
     eprintln!(
-        "compensation marker off: 1 unit reserved and rejected twice -> stock {stock} \
-         (initial 1), {counted} compensations counted"
+        "compensation marker off: 2 units reserved and rejected twice -> stock {stock} \
+         (initial 2), {counted} compensations counted"
     );
-    assert_eq!((stock, counted), (2, 2), "the unit came back twice");
+    assert_eq!((stock, counted), (4, 2), "the units came back twice");
 
     let (stock, counted) = compensate_twice(&engine, 403, 404, 3);
     eprintln!("compensation marker on: stock {stock}, {counted} compensation counted");
-    assert_eq!((stock, counted), (1, 1), "returned exactly once");
+    assert_eq!((stock, counted), (2, 1), "returned exactly once");
 }
 
 // ---- (e) the set-based planner's release assertions -----------------------------------------

@@ -532,7 +532,8 @@ async fn the_worker_turns_queued_messages_into_orders_and_events() {
 async fn the_same_message_delivered_twice_concurrently_makes_one_order() {
     let stack = stack().await;
     seed_sku(&stack.client, ACTIVITY, SKU, 10, "TOKEN").await;
-    let m = message(ACTIVITY, SKU, 3, "twice");
+    // Three units: the loser must neither claim three more tokens nor write three more CLAIMs.
+    let m = OrderCreate { quantity: 3, ..message(ACTIVITY, SKU, 3, "twice") };
     // Two deliveries of the same body: a republish after the dedup window carries the same
     // message_id in the body but passes JetStream's dedup (different Nats-Msg-Id here).
     let publisher = stack.log.publisher();
@@ -558,6 +559,11 @@ async fn the_same_message_delivered_twice_concurrently_makes_one_order() {
 
     assert_eq!(stack.count("SELECT count(*) FROM orders").await, 1);
     assert_eq!(stack.count("SELECT count(*) FROM consumer_inbox").await, 1);
+    assert_eq!(
+        stack.count("SELECT count(*) FROM inventory_token WHERE status = 'CLAIMED'").await,
+        3
+    );
+    assert_eq!(stack.count("SELECT count(*) FROM inventory_ledger WHERE kind = 'CLAIM'").await, 3);
     // The loser re-announced the recorded outcome: two identical order_created events.
     let events = stack.outbox().await;
     assert_eq!(events.len(), 2);
@@ -567,7 +573,8 @@ async fn the_same_message_delivered_twice_concurrently_makes_one_order() {
             (EventType::OrderCreated, Some(m.order_id()))
         );
     }
-    stack.assert_invariants(ACTIVITY, SKU).await;
+    let report = stack.assert_invariants(ACTIVITY, SKU).await;
+    assert_eq!((report.units_live, report.tokens_available), (3, 7));
 }
 
 #[tokio::test]
