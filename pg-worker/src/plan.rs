@@ -543,7 +543,8 @@ fn assert_units_within_sellable(facts: &Facts, plan: &Plan, orders: &[(&OrderCre
         };
         assert!(
             *ordered <= units,
-            "plan breaks I1 (no oversell): {ordered} units ordered for SKU (activity {activity},              sku {sku}) with {units} sellable unit(s) locked for this batch; reservations \
+            "plan breaks I1 (no oversell): {ordered} units ordered for SKU (activity {activity}, \
+             sku {sku}) with {units} sellable unit(s) locked for this batch; reservations \
              {reservations:?}"
         );
     }

@@ -123,14 +123,14 @@ fn an_extra_unit_is_an_oversell_the_plan_refuses() {
     let (breach, sound) =
         with_and_without("plan_bug.extra_unit", &batch, &facts(&batch, tokens(&["t1"])));
     assert!(breach.contains("I1 (no oversell)"), "{breach}");
-    assert!(breach.contains("2 orders planned for SKU (activity 1, sku 2)"), "{breach}");
+    assert!(breach.contains("2 units ordered for SKU (activity 1, sku 2)"), "{breach}");
     assert!(breach.contains("1 sellable unit(s)"), "{breach}");
     assert!(breach.contains("resv_a") && breach.contains("resv_b"), "{breach}");
     assert_eq!(sound.outcomes, vec![created(&a, Some("t1")), rejected(RejectReason::NoFinalStock)]);
     // ROW: a counter of one, the bug reads two.
     let row = facts(&batch, SkuClaim::Row { available: 1 });
     let (breach, sound) = with_and_without("plan_bug.extra_unit", &batch, &row);
-    assert!(breach.contains("I1 (no oversell): 2 orders planned"), "{breach}");
+    assert!(breach.contains("I1 (no oversell): 2 units ordered"), "{breach}");
     assert_eq!(sound.outcomes, vec![created(&a, None), rejected(RejectReason::NoFinalStock)]);
     assert_eq!(sound.row_units, vec![((1, 2), 1)]);
 }
@@ -165,7 +165,7 @@ fn a_row_counter_not_lowered_by_its_orders_is_refused() {
     let facts = facts(&batch, SkuClaim::Row { available: 2 });
     let (breach, sound) = with_and_without("plan_bug.row_sale_uncounted", &batch, &facts);
     assert!(breach.contains("I1 (no oversell): ROW SKU (activity 1, sku 2)"), "{breach}");
-    assert!(breach.contains("2 orders planned but its counter lowered by 0"), "{breach}");
+    assert!(breach.contains("2 units ordered but its counter lowered by 0"), "{breach}");
     assert!(breach.contains("resv_a") && breach.contains("resv_b"), "{breach}");
     assert_eq!(sound.outcomes, vec![created(&a, None), created(&b, None)]);
     assert_eq!(sound.row_units, vec![((1, 2), 2)]);

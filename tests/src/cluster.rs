@@ -9,7 +9,6 @@
 //! nodes and deletes their directory when the test binary exits, however it exits.
 
 use std::net::SocketAddr;
-use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -34,33 +33,13 @@ pub fn redis_cluster() -> &'static SharedCluster {
             .tempdir()
             .expect("temp dir for the cluster")
             .keep();
-        watchdog(&dir);
+        crate::watchdog(&dir);
         let started = Instant::now();
         let cluster =
             RedisCluster::create(&dir).unwrap_or_else(|e| panic!("start redis cluster: {e}"));
         eprintln!("redis cluster up in {:?} at {}", started.elapsed(), cluster.url());
         SharedCluster { cluster: Mutex::new(cluster), drills: Mutex::new(()), dir }
     })
-}
-
-/// Stops the nodes (by their pid files) and removes `dir` once this process is gone.
-fn watchdog(dir: &std::path::Path) {
-    let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
-         for f in {dir}/node-*/pid; do kill -9 $(cat $f) 2>/dev/null; done; rm -rf {dir}",
-        pid = std::process::id(),
-        dir = dir.display()
-    );
-    // Never waited for on purpose: it must outlive this process (it exits once we are gone).
-    #[allow(clippy::zombie_processes)]
-    let _watchdog = std::process::Command::new("sh")
-        .args(["-c", &script])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("spawn the cluster watchdog");
 }
 
 /// One command to one node; panics with the node and command on a transport failure.

@@ -933,3 +933,26 @@ impl Engine {
         }
     }
 }
+
+/// Kills the servers whose pid files lie anywhere under `root` and deletes it once this
+/// process is gone (a test killed or panicking leaves no server behind).
+pub fn watchdog(root: &std::path::Path) {
+    use std::os::unix::process::CommandExt;
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
+         for f in $(find {root} -name pid 2>/dev/null); do kill -9 $(cat $f) 2>/dev/null; done; \
+         sleep 1; rm -rf {root}",
+        pid = std::process::id(),
+        root = root.display()
+    );
+    // Never waited for on purpose: it must outlive this process (it exits once we are gone).
+    #[allow(clippy::zombie_processes)]
+    let _watchdog = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn the watchdog");
+}

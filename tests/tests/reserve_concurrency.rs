@@ -105,33 +105,42 @@ async fn count_keys(client: &RedisClient, pattern: &str) -> usize {
     reply.as_array().unwrap().len()
 }
 
+/// The library loaded and the SKU preheated with [`STOCK`] units, `max_per_buyer` each, on a
+/// connection for a burst: bounded by in_flight_max (Full is retried by the buyers), with a
+/// timeout generous enough that a slow CI machine does not turn replies into unknown outcomes.
+async fn preheated(addr: std::net::SocketAddr, max_per_buyer: u32) -> (Rc<Functions>, Rc<SkuKeys>) {
+    let mut config = RedisConfig::new(addr);
+    config.in_flight_max = 1024;
+    config.command_timeout = Duration::from_secs(10);
+    let client = RedisClient::connect(config).await.unwrap();
+    let f = Rc::new(Functions::new(client));
+    let keys = Rc::new(SkuKeys::new(A, S));
+    load_library(f.client()).await.unwrap();
+    let preheat = PreheatArgs {
+        status: ActivityStatus::Active,
+        start_ms: NOW_MS - 1_000,
+        end_ms: NOW_MS + 3_600_000,
+        version: 1,
+        reservation_ttl_ms: 300_000,
+        stock: STOCK,
+        max_per_buyer,
+    };
+    assert_eq!(f.preheat(&keys, &preheat).await.unwrap(), PreheatReply::Applied { version: 1 });
+    (f, keys)
+}
+
 #[test]
 fn hundred_units_ten_thousand_buyers() {
     let redis = flashsale_tests::redis();
     let addr = redis.addr();
     flashsale_tests::glommio(move || async move {
-        let mut config = RedisConfig::new(addr);
-        // The burst is bounded by in_flight_max (Full is retried by the buyers); the timeout
-        // is generous so that a slow CI machine does not turn replies into unknown outcomes.
-        config.in_flight_max = 1024;
-        config.command_timeout = Duration::from_secs(10);
-        let client = RedisClient::connect(config).await.unwrap();
-        let f = Rc::new(Functions::new(client));
-        let keys = Rc::new(SkuKeys::new(A, S));
-        load_library(f.client()).await.unwrap();
-        let preheat = PreheatArgs {
-            status: ActivityStatus::Active,
-            start_ms: NOW_MS - 1_000,
-            end_ms: NOW_MS + 3_600_000,
-            version: 1,
-            reservation_ttl_ms: 300_000,
-            stock: STOCK,
-            max_per_buyer: 1,
-        };
-        assert_eq!(f.preheat(&keys, &preheat).await.unwrap(), PreheatReply::Applied { version: 1 });
+        let (f, keys) = preheated(addr, 1).await;
 
         // The observer: its own connection, reading stock until the burst is over.
-        let observer_client = RedisClient::connect(RedisConfig::new(addr)).await.unwrap();
+        // Its timeout as generous as the buyers': a loaded CI box delays a GET too.
+        let mut observer_config = RedisConfig::new(addr);
+        observer_config.command_timeout = Duration::from_secs(10);
+        let observer_client = RedisClient::connect(observer_config).await.unwrap();
         let burst_over = Rc::new(Cell::new(false));
         let observer = glommio::spawn_local({
             let burst_over = burst_over.clone();
@@ -252,23 +261,7 @@ fn one_to_three_units_per_buyer_never_split_never_over_the_limit_never_oversold(
     let redis = flashsale_tests::redis();
     let addr = redis.addr();
     flashsale_tests::glommio(move || async move {
-        let mut config = RedisConfig::new(addr);
-        config.in_flight_max = 1024;
-        config.command_timeout = Duration::from_secs(10);
-        let client = RedisClient::connect(config).await.unwrap();
-        let f = Rc::new(Functions::new(client));
-        let keys = Rc::new(SkuKeys::new(A, S));
-        load_library(f.client()).await.unwrap();
-        let preheat = PreheatArgs {
-            status: ActivityStatus::Active,
-            start_ms: NOW_MS - 1_000,
-            end_ms: NOW_MS + 3_600_000,
-            version: 1,
-            reservation_ttl_ms: 300_000,
-            stock: STOCK,
-            max_per_buyer: 2,
-        };
-        assert_eq!(f.preheat(&keys, &preheat).await.unwrap(), PreheatReply::Applied { version: 1 });
+        let (f, keys) = preheated(addr, 2).await;
         let quantity = |i: u64| 1 + (i % 3) as u32;
         let buyers: Vec<_> = (0..BUYERS)
             .map(|i| {

@@ -25,7 +25,6 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -85,7 +84,7 @@ impl Drop for Source {
 
 fn build_scenario() -> Scenario {
     let root = tempfile::Builder::new().prefix("flashsale-test-pitr-").tempdir().unwrap().keep();
-    watchdog(&root);
+    flashsale_tests::watchdog(&root);
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
     let pg_dir = root.join("pg");
@@ -158,27 +157,6 @@ fn build_scenario() -> Scenario {
         phase_two_segment,
         after_tamper,
     }
-}
-
-/// Kills the servers recorded under `root` and deletes it once this process is gone.
-fn watchdog(root: &Path) {
-    let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
-         for f in $(find {root} -name pid 2>/dev/null); do kill -9 $(cat $f) 2>/dev/null; done; \
-         sleep 1; rm -rf {root}",
-        pid = std::process::id(),
-        root = root.display()
-    );
-    // Never waited for on purpose: it must outlive this process (it exits once we are gone).
-    #[allow(clippy::zombie_processes)]
-    let _watchdog = std::process::Command::new("sh")
-        .args(["-c", &script])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("spawn the watchdog");
 }
 
 /// Each buyer of `users` submits once and gets an order (waits for all of them).

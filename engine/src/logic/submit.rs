@@ -90,10 +90,7 @@ impl SubmitAnswer {
     }
 
     pub fn invalid(reason: &'static str) -> SubmitAnswer {
-        SubmitAnswer {
-            reason_code: Some(Cow::Borrowed(reason)),
-            ..SubmitAnswer::of(SubmitOutcome::Invalid)
-        }
+        SubmitAnswer::of(SubmitOutcome::Invalid).with_reason(reason)
     }
 
     /// The first answer of a request accepted before.
@@ -692,10 +689,9 @@ fn plan_answer(plan: SubmitPlan) -> SubmitAnswer {
 /// A refusal of admission (or of the circuit, which admission then reports as open).
 fn rejected(decision: Decision) -> SubmitAnswer {
     match decision {
-        Decision::Reject { outcome, retry_after_ms, reason } => SubmitAnswer {
-            reason_code: Some(Cow::Borrowed(reason)),
-            ..SubmitAnswer::retry(outcome, retry_after_ms)
-        },
+        Decision::Reject { outcome, retry_after_ms, reason } => {
+            SubmitAnswer::retry(outcome, retry_after_ms).with_reason(reason)
+        }
         // Admission admitted but the circuit refused: decide_submit saw it as open and would
         // have refused, so this arm only exists for the type.
         Decision::Admit => SubmitAnswer::retry(SubmitOutcome::SystemBusy, 1),
@@ -737,10 +733,7 @@ fn plan_permit(
 
 /// `SUBMIT_CLOSED` with `reason`, retry after `retry_ms`: nothing was reserved.
 fn closed_for(reason: &'static str, retry_ms: u64) -> SubmitAnswer {
-    SubmitAnswer {
-        reason_code: Some(Cow::Borrowed(reason)),
-        ..SubmitAnswer::retry(SubmitOutcome::SubmitClosed, retry_ms)
-    }
+    SubmitAnswer::retry(SubmitOutcome::SubmitClosed, retry_ms).with_reason(reason)
 }
 
 /// The Redis circuit's state as admission sees it, from what it said to this call.
@@ -800,13 +793,11 @@ fn classify(
         ReserveResult::OverLimit => {
             (ReserveSeen::Other, SubmitAnswer::invalid(QUANTITY_OVER_LIMIT), None)
         }
-        ReserveResult::FewerLeft => {
-            let answer = SubmitAnswer {
-                reason_code: Some(Cow::Borrowed(QUANTITY_UNAVAILABLE)),
-                ..SubmitAnswer::of(SubmitOutcome::SoldOut)
-            };
-            (ReserveSeen::Other, answer, None)
-        }
+        ReserveResult::FewerLeft => (
+            ReserveSeen::Other,
+            SubmitAnswer::of(SubmitOutcome::SoldOut).with_reason(QUANTITY_UNAVAILABLE),
+            None,
+        ),
         ReserveResult::ActivityInvalid | ReserveResult::MetaMissing => {
             (ReserveSeen::Other, SubmitAnswer::of(SubmitOutcome::ActivityNotActive), None)
         }

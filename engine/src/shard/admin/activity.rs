@@ -160,14 +160,14 @@ pub async fn create_activity(deps: &AdminDeps<'_>, body: &[u8]) -> (Status, Stri
 }
 
 /// The activity's rows and tokens (PENDING), in one transaction, bounded by
-/// [`super::ADMIN_PG_WAIT`].
+/// [`super::deps::ADMIN_PG_WAIT`].
 async fn create_rows(
     deps: &AdminDeps<'_>,
     spec: &ActivitySpec,
 ) -> Result<CreateActivity, (Status, String)> {
     let spec = spec.clone();
     let create =
-        deps.shared.durable.pg_within(super::ADMIN_PG_WAIT, move |mut client| async move {
+        deps.shared.durable.pg_within(super::deps::ADMIN_PG_WAIT, move |mut client| async move {
             activity_creation::create_activity(&mut client, &spec).await
         });
     match create.await {

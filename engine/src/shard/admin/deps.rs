@@ -11,6 +11,10 @@ use crate::shard::shared::EdgeShared;
 use crate::shard::state::Shard;
 use crate::shard::store::Store;
 
+/// Bound on an admin call's wait for PostgreSQL: not a buyer's work, and a million tokens
+/// take seconds to create, more than `pg_timeout_ms`.
+pub const ADMIN_PG_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 pub struct AdminDeps<'a> {
     pub shared: &'a EdgeShared,
     pub store: &'a Store,

@@ -81,7 +81,7 @@ fn actor(given: Option<String>) -> Result<String, (Status, String)> {
     }
 }
 
-/// Runs a PostgreSQL lifecycle call on the durable side (bounded by [`super::ADMIN_PG_WAIT`]:
+/// Runs a PostgreSQL lifecycle call on the durable side (bounded by [`super::deps::ADMIN_PG_WAIT`]:
 /// a stock top-up creates tokens); 503 when it cannot.
 async fn pg<T, F, Fut>(deps: &AdminDeps<'_>, f: F) -> Result<T, (Status, String)>
 where
@@ -89,7 +89,7 @@ where
     F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<T, flashsale_pg_worker::PgError>> + Send + 'static,
 {
-    deps.shared.durable.pg_within(super::ADMIN_PG_WAIT, f).await.map_err(|e| {
+    deps.shared.durable.pg_within(super::deps::ADMIN_PG_WAIT, f).await.map_err(|e| {
         tracing::warn!(error = %e, "lifecycle change: PostgreSQL step failed");
         match e {
             crate::durable::DurableError::Pg(flashsale_pg_worker::PgError::InvalidArgument(_)) => {

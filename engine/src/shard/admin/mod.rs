@@ -30,10 +30,6 @@ use crate::shard::request::RequestCtx;
 use crate::shard::shared::EdgeShared;
 use deps::AdminDeps;
 
-/// Bound on an admin call's wait for PostgreSQL: not a buyer's work, and a million tokens
-/// take seconds to create, more than `pg_timeout_ms`.
-const ADMIN_PG_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
-
 pub async fn handle(
     deps: &AdminDeps<'_>,
     request: &Request<'_>,
