@@ -25,10 +25,12 @@
 //!   the mid-sale drill in `tests/tests/ha_pg.rs`: an idle pool went back to the old primary
 //!   as its last good host once it was writable again, and the worker kept reconnecting to a
 //!   frozen-then-resumed old primary whose COMMITs wait forever for the synchronous standby
-//!   that had been promoted away). When the connector
-//!   learns a higher timeline it closes its connections that are behind it (the pool then
-//!   discards them as closed), so a connection opened before the failover cannot keep
-//!   writing to the old primary. The timeline is read as the first 8 hex digits of
+//!   that had been promoted away). When a connector
+//!   learns a higher timeline it closes the connections behind it (the pool then discards
+//!   them as closed), so a connection opened before the failover cannot keep writing to the
+//!   old primary. What is learned is shared by every multi-host connector of the process on
+//!   the same hosts (health ping, edge pool, worker pool), and a caller whose statement
+//!   outlasted its deadline makes the connector survey at once ([`Connector::suspect`]). The timeline is read as the first 8 hex digits of
 //!   `pg_walfile_name(pg_current_wal_lsn())`: the WAL being written now, on the new
 //!   timeline from the moment of promotion (`pg_control_checkpoint().timeline_id` moves only
 //!   with the next checkpoint).
@@ -247,6 +249,32 @@ pub struct Connector {
     state: Arc<Learned>,
 }
 
+/// What the multi-host connectors of one process learned, one entry per host list: the
+/// highest timeline is a fact about the servers, not about one pool. The health ping, the
+/// edge's pool and the in-process worker each have a connector; when one of them learns that
+/// a standby was promoted, the others' connections to the old primary are closed too (found
+/// by `tests/tests/ha_pg.rs`: the edge's pool, idle while its primary was frozen, kept
+/// reading the thawed old primary after the health ping and the worker had moved on). A
+/// single host has nothing to share: a server re-created on a reused port starts again.
+fn shared_learned(hosts: &[HostSpec]) -> Arc<Learned> {
+    type Registry = Mutex<Vec<(String, std::sync::Weak<Learned>)>>;
+    static REGISTRY: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+    let key = hosts
+        .iter()
+        .map(|h| format!("{:?}/{:?}:{}", h.host, h.hostaddr, h.port))
+        .collect::<Vec<_>>()
+        .join(",");
+    let registry = REGISTRY.get_or_init(Registry::default);
+    let mut entries = registry.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    entries.retain(|(_, learned)| learned.strong_count() > 0);
+    if let Some(learned) = entries.iter().find(|(k, _)| *k == key).and_then(|(_, l)| l.upgrade()) {
+        return learned;
+    }
+    let learned = Arc::new(Learned::default());
+    entries.push((key, Arc::downgrade(&learned)));
+    learned
+}
+
 #[derive(Default)]
 struct Learned {
     /// Index of the host of the last successful connect (tried first next time).
@@ -255,6 +283,8 @@ struct Learned {
     timeline_max: AtomicU32,
     /// A connection ended since the last connect: survey before the next one.
     lost: Arc<AtomicBool>,
+    /// A survey started by [`Connector::suspect`] is running (one at a time).
+    surveying: AtomicBool,
     /// Each live connection's timeline and task, so the ones behind a newly learned timeline
     /// can be closed. Pruned of finished tasks on every insert: bounded by live connections.
     live: Mutex<Vec<(u32, tokio::task::AbortHandle)>>,
@@ -265,13 +295,14 @@ impl Connector {
         config.validate()?;
         let base = config.parsed()?;
         let hosts: Arc<[HostSpec]> = host_specs(&base)?.into();
+        let state = if hosts.len() > 1 { shared_learned(&hosts) } else { Arc::default() };
         Ok(Connector {
             hosts,
             attrs: base.get_target_session_attrs(),
             base,
             deadline: Duration::from_millis(config.connect_timeout_ms),
             settings: Arc::new(config.clone()),
-            state: Arc::new(Learned::default()),
+            state,
         })
     }
 
@@ -325,6 +356,25 @@ impl Connector {
             Some(e) => Err(e),
             None => Err(minted_error(std::io::ErrorKind::NotFound, "no host".into()).await),
         }
+    }
+
+    /// A caller's statement outlasted its deadline: the host may be hung and a standby
+    /// promoted meanwhile. Surveys every host now, in the background (one survey at a time),
+    /// so a newer timeline closes the connections behind it at once — not only at the next
+    /// connect, which an idle pool of connections to a frozen-then-resumed old primary would
+    /// never make (found by `tests/tests/ha_pg.rs`: the edge's reconcile kept reading the
+    /// thawed old primary, and the worker spent a transaction deadline on each of its idle
+    /// connections to the frozen one). Needs a tokio runtime; a single host has nothing to
+    /// learn.
+    pub fn suspect(&self) {
+        if self.hosts.len() < 2 || self.state.surveying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            this.survey().await;
+            this.state.surveying.store(false, Ordering::Release);
+        });
     }
 
     /// Asks every host at once (each within the deadline) and learns the highest timeline of
@@ -622,6 +672,23 @@ pub fn build_pool_with(config: &PgPoolConfig, connector: Connector) -> Result<Po
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connectors_on_the_same_hosts_share_what_they_learn_and_a_single_host_does_not() {
+        let config = |url: &str| PgPoolConfig { url: url.into(), ..Default::default() };
+        let hosts = "postgres://u@127.0.0.1:6001,127.0.0.1:6002/db";
+        let (edge, worker) =
+            (Connector::new(&config(hosts)).unwrap(), Connector::new(&config(hosts)).unwrap());
+        let other =
+            Connector::new(&config("postgres://u@127.0.0.1:6001,127.0.0.1:6003/db")).unwrap();
+        worker.learn_timeline(3);
+        assert_eq!((edge.timeline_max(), other.timeline_max()), (3, 0));
+        let single = "postgres://u@127.0.0.1:6004/db";
+        let (a, b) =
+            (Connector::new(&config(single)).unwrap(), Connector::new(&config(single)).unwrap());
+        a.learn_timeline(2);
+        assert_eq!((a.timeline_max(), b.timeline_max()), (2, 0));
+    }
 
     #[test]
     fn multi_host_urls_are_accepted() {

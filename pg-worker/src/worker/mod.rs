@@ -79,7 +79,7 @@ pub use config::{
 use shared::Shared;
 
 use crate::error::PgError;
-use crate::pool::build_pool;
+use crate::pool::{build_pool_with, Connector};
 
 /// A running worker. Dropping it without [`WorkerHandle::shutdown`] stops it abruptly (like a
 /// crash: committed but unsettled messages are redelivered and deduplicated).
@@ -207,7 +207,8 @@ async fn init(config: WorkerConfig) -> Result<Shared, PgError> {
     let log = Log::connect(&config.log).await?;
     log.ensure_streams().await?;
     log.ensure_consumers().await?;
-    let pool = build_pool(&config.pg)?;
+    let connector = Connector::new(&config.pg)?;
+    let pool = build_pool_with(&config.pg, connector.clone())?;
     // Fail start-up, not the first batch, when PostgreSQL is unreachable or not migrated.
     let client = pool.get().await?;
     client.prepare_cached(crate::sql::ORDER_CREATE_SQL).await?;
@@ -225,6 +226,7 @@ async fn init(config: WorkerConfig) -> Result<Shared, PgError> {
         lag: LogLag::default(),
         config,
         pool,
+        connector,
         log,
     })
 }

@@ -23,6 +23,8 @@ pub(super) struct Shared {
     pub(super) config: WorkerConfig,
     pub(super) policy: RetryPolicy,
     pub(super) pool: Pool,
+    /// The pool's connector, told when a transaction outlasts its deadline.
+    pub(super) connector: crate::pool::Connector,
     pub(super) log: Log,
     pub(super) publisher: Publisher,
     pub(super) lag: LogLag,
@@ -68,6 +70,9 @@ pub(super) async fn within_deadline<T>(
         Ok(result) => result,
         Err(_) => {
             metrics::counter!("flashsale_pg_transaction_deadlines_total").increment(1);
+            // The pool's other connections to the same host may hang as well: a survey now
+            // closes them all if a standby was promoted (`Connector::suspect`).
+            shared.connector.suspect();
             let message = format!(
                 "{what} outlasted the client-side transaction deadline of {deadline_ms} ms \
                  (outcome unknown; the retry is idempotent)"
