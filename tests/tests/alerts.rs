@@ -732,7 +732,9 @@ fn expand(q: &str) -> String {
 }
 
 /// The key panels over the last `window_s` seconds, drawn from Prometheus' own data into
-/// `tuning/grafana/flashsale-sale.svg` (README "Metrics" shows it).
+/// `var/flashsale-sale.svg`; with `FLASHSALE_REFRESH_PICTURES=1` into the committed
+/// `tuning/grafana/flashsale-sale.svg` (README "Metrics" shows it) — a plain test run leaves
+/// the checkout clean.
 fn draw_key_panels(prometheus: &Prometheus, window_s: u64) {
     let titles = [
         "Submissions by state",
@@ -783,7 +785,14 @@ fn draw_key_panels(prometheus: &Prometheus, window_s: u64) {
         prometheus.value(&format!("count_over_time(up{{job=\"flashsale\"}}[{window_s}s])"));
     println!("key panels drawn over {window_s} s ({scrapes:?} scrapes in it)");
     let svg = svg::charts(&charts, window_s as f64);
-    std::fs::write(repo().join("tuning/grafana/flashsale-sale.svg"), svg).unwrap();
+    let path = if std::env::var_os("FLASHSALE_REFRESH_PICTURES").is_some() {
+        repo().join("tuning/grafana/flashsale-sale.svg")
+    } else {
+        std::fs::create_dir_all(repo().join("var")).unwrap();
+        repo().join("var/flashsale-sale.svg")
+    };
+    std::fs::write(&path, svg).unwrap();
+    println!("key panels: {}", path.display());
 }
 
 /// A Grafana legend (`{{label}}`) filled from a series' labels.
