@@ -13,18 +13,13 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use flashsale_benches::{with_client, BenchRedis};
+use flashsale_benches::{preheat_args, reserve_one, with_client, BenchRedis, T0};
 use flashsale_engine::app::cpu::{process_ticks, self_ticks, US_PER_TICK};
-use flashsale_io::redis::layout::ActivityStatus;
-use flashsale_io::redis::script::{
-    Functions, MarkSent, MarkSentArgs, MarkSentReply, PreheatArgs, ReserveArgs, ReserveReply,
-    SkuKeys,
-};
+use flashsale_io::redis::script::{Functions, MarkSent, MarkSentArgs, MarkSentReply, SkuKeys};
 
 const BATCHES: [usize; 4] = [1, 8, 32, 128];
 const ROUNDS: u64 = 3;
 const IN_FLIGHT: usize = 16;
-const T0: u64 = 1_750_000_000_000;
 /// Per command: a call of 128 marks under a loaded Redis stays far below it.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -70,21 +65,12 @@ fn run(addr: SocketAddr, pid: u32, sku: u64, batch: usize, marks: usize) -> Samp
     with_client(addr, COMMAND_TIMEOUT, move |client| async move {
         let functions = Rc::new(Functions::new(client));
         let keys = Rc::new(SkuKeys::new(77, sku));
-        let preheat = PreheatArgs {
-            status: ActivityStatus::Active,
-            start_ms: T0,
-            end_ms: T0 + 3_600_000,
-            version: 1,
-            reservation_ttl_ms: 300_000,
-            stock: marks as u64,
-            max_per_buyer: 1,
-        };
-        functions.preheat(&keys, &preheat).await.expect("preheat");
+        functions.preheat(&keys, &preheat_args(marks as u64)).await.expect("preheat");
         let ids: Rc<Vec<u64>> = Rc::new((1..=marks as u64).collect());
         let (f, k) = (Rc::clone(&functions), Rc::clone(&keys));
         in_flight(&ids, 1, move |chunk| {
             let (functions, keys) = (Rc::clone(&f), Rc::clone(&k));
-            async move { reserve(&functions, &keys, chunk[0]).await }
+            async move { reserve_one(&functions, &keys, chunk[0]).await }
         })
         .await;
 
@@ -133,23 +119,6 @@ where
     for task in tasks {
         task.await;
     }
-}
-
-async fn reserve(functions: &Functions, keys: &SkuKeys, n: u64) {
-    let (request_id, reservation_id, message_id) =
-        (format!("req_{n}"), format!("resv_{n}"), format!("msg_{n}"));
-    let args = ReserveArgs {
-        request_id: &request_id,
-        user_id: n,
-        payload_hash: "h",
-        reservation_id: &reservation_id,
-        message_id: &message_id,
-        now_ms: T0 + 10,
-        pending_grace_ms: 2_000,
-        quantity: 1,
-    };
-    let reply = functions.reserve(keys, &args).await.expect("reserve");
-    assert!(matches!(reply, ReserveReply::Created { .. }), "{reply:?}");
 }
 
 async fn mark(functions: &Functions, keys: &SkuKeys, ns: Vec<u64>) {

@@ -44,26 +44,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use flashsale_benches::pg::{
+    connect, db_url, fresh_database, load_average, median, order_create, Running, SkuSpec,
+    ACTIVITY, SKU,
+};
 use flashsale_engine::app::cpu::{postgres_ticks, self_ticks, TICKS_PER_S};
 use flashsale_engine::app::stack::{Kind, Server};
 use flashsale_io::jetstream::{Log, LogConfig};
-use flashsale_io::wire::{OrderCreate, ORDER_CREATE_EVENT_TYPE};
-use flashsale_pg_worker::{
-    check_invariants, generate_tokens, migrate, start, OrderPath, PgPoolConfig, WorkerConfig,
-};
-use tokio_postgres::{Client, NoTls};
-
-const ACTIVITY: i64 = 10001;
-const SKU: i64 = 20001;
-
-/// Stops a server when dropped (also on panic), so no bench run leaves one behind.
-struct Running(Server);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.stop();
-    }
-}
+use flashsale_io::wire::OrderCreate;
+use flashsale_pg_worker::{check_invariants, start, OrderPath, PgPoolConfig, WorkerConfig};
+use tokio_postgres::Client;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -190,13 +180,6 @@ struct Sample {
     load_before: String,
 }
 
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
-}
-
 async fn wal_lsn(admin: &Client) -> String {
     admin.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.expect("wal lsn").get(0)
 }
@@ -211,19 +194,6 @@ async fn wal_since(admin: &Client, lsn: &str) -> i64 {
         .await
         .expect("wal diff");
     row.get(0)
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(|a, b| a.total_cmp(b));
-    let n = values.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
 }
 
 fn main() {
@@ -321,88 +291,12 @@ fn report(specs: &[Spec], samples: &mut [Vec<Sample>], orders: i64) {
     }
 }
 
-async fn connect(url: &str) -> Client {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
-}
-
-fn db_url(pg: &Server, name: &str) -> String {
-    format!("postgres://postgres@127.0.0.1:{}/{name}", pg.port)
-}
-
-/// A fresh, migrated database with one ACTIVE SKU of `stock` units, `max_per_buyer` each.
-async fn fresh_database(
-    pg: &Server,
-    name: &str,
-    spec: &Spec,
-    (stock, max_per_buyer): (i64, i32),
-) -> Client {
-    let allocator = spec.allocator;
-    let admin = connect(&pg.url()).await;
-    admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await.expect("drop");
-    admin.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create");
-    let mut client = connect(&db_url(pg, name)).await;
-    migrate(&mut client).await.expect("migrate");
-    client
-        .execute(
-            "INSERT INTO activity (activity_id, status, start_at, end_at, reservation_ttl_ms, \
-             pay_timeout_ms) VALUES ($1, 'ACTIVE', now() - interval '1 hour', \
-             now() + interval '1 hour', 300000, 900000)",
-            &[&ACTIVITY],
-        )
-        .await
-        .expect("activity");
-    let available = (allocator == "ROW").then_some(stock);
-    client
-        .execute(
-            "INSERT INTO sku_inventory (activity_id, sku_id, total_stock, allocator, \
-                                        available_stock, max_per_buyer) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-            &[&ACTIVITY, &SKU, &stock, &allocator, &available, &max_per_buyer],
-        )
-        .await
-        .expect("sku");
-    if spec.half_empty_tokens {
-        client
-            .batch_execute("ALTER TABLE inventory_token SET (fillfactor = 50)")
-            .await
-            .expect("fillfactor");
-    }
-    if allocator == "TOKEN" {
-        generate_tokens(&client, ACTIVITY, SKU, stock).await.expect("tokens");
-    }
-    client.batch_execute("VACUUM ANALYZE").await.expect("vacuum");
-    client
-}
-
 fn messages(count: i64, spec: &Spec) -> Vec<OrderCreate> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
         .as_millis() as u64;
-    (1..=count as u64)
-        .map(|n| OrderCreate {
-            schema_version: 1,
-            event_type: ORDER_CREATE_EVENT_TYPE.to_owned(),
-            message_id: format!("msg_bench{n:020}"),
-            message_key: format!("resv_bench{n:020}"),
-            request_id: format!("req_bench{n:020}"),
-            reservation_id: format!("resv_bench{n:020}"),
-            activity_id: ACTIVITY as u64,
-            sku_id: SKU as u64,
-            user_id: 1_000_000 + n,
-            quantity: spec.quantity(n),
-            reserved_at_ms: now,
-            reservation_expires_at_ms: now + 3_600_000,
-            retry_count: 0,
-            payload_hash: format!("sha256:{n:064x}"),
-            traceparent: Some(format!("00-{n:032x}-{n:016x}-01")),
-            created_at_ms: now,
-        })
-        .collect()
+    (1..=count as u64).map(|n| order_create(n, spec.quantity(n), now)).collect()
 }
 
 async fn run_case(
@@ -416,7 +310,13 @@ async fn run_case(
     let all = messages(orders, spec);
     let units: i64 = all.iter().map(|m| i64::from(m.quantity)).sum();
     let max_per_buyer = all.iter().map(|m| m.quantity as i32).max().unwrap_or(1);
-    let client = fresh_database(pg, name, spec, (units, max_per_buyer)).await;
+    let sku = SkuSpec {
+        allocator: spec.allocator,
+        half_empty_tokens: spec.half_empty_tokens,
+        stock: units,
+        max_per_buyer,
+    };
+    let client = fresh_database(pg, name, &sku).await;
     let admin = connect(&pg.url()).await;
     // ALTER SYSTEM refuses to run in a transaction block: one statement per call.
     let settings = if spec.commit_delay {
@@ -507,8 +407,13 @@ async fn pgbench(pg: &Server, allocator: &str, clients: usize, orders: i64) -> R
     let binary = pgbench_binary().ok_or("pgbench not found under /usr/lib/postgresql")?;
     let name = format!("pgbench_{}", allocator.to_ascii_lowercase());
     // Only the SKU's allocator matters here (the path and batch are the worker's).
-    let sku = Spec::parse(if allocator == "ROW" { "set:1:1:row" } else { "set:1:1" });
-    drop(fresh_database(pg, &name, &sku, (orders + orders / 5, 1)).await);
+    let sku = SkuSpec {
+        allocator: if allocator == "ROW" { "ROW" } else { "TOKEN" },
+        half_empty_tokens: false,
+        stock: orders + orders / 5,
+        max_per_buyer: 1,
+    };
+    drop(fresh_database(pg, &name, &sku).await);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("pgbench/order_txn.sql");
     let per_client = (orders as usize).div_ceil(clients);
     let output = Command::new(binary)

@@ -5,18 +5,57 @@
 //! benches, so this is a minimal launcher of its own: one process, no persistence, killed
 //! (and reaped) on drop. It never touches the machine's shared server on 6379.
 //!
-//! The open-loop load generator lives in [`loadgen`] (binary `flashsale-loadgen`).
+//! The open-loop load generator lives in [`loadgen`] (binary `flashsale-loadgen`); private
+//! PostgreSQL databases for the order-path benches in [`pg`].
 //!
 //! Not here: the benches themselves (`benches/benches/`).
 
 pub mod loadgen;
+pub mod pg;
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use flashsale_io::redis::layout::ActivityStatus;
+use flashsale_io::redis::script::{Functions, PreheatArgs, ReserveArgs, ReserveReply, SkuKeys};
 use flashsale_io::redis::{RedisClient, RedisConfig};
+
+/// The Redis benches' clock: their SKUs open at T0 for an hour.
+pub const T0: u64 = 1_750_000_000_000;
+
+/// An ACTIVE SKU of `stock` units, one per buyer, open from [`T0`] for an hour.
+pub fn preheat_args(stock: u64) -> PreheatArgs {
+    PreheatArgs {
+        status: ActivityStatus::Active,
+        start_ms: T0,
+        end_ms: T0 + 3_600_000,
+        version: 1,
+        reservation_ttl_ms: 300_000,
+        stock,
+        max_per_buyer: 1,
+    }
+}
+
+/// Buyer `n` reserves one unit (request `req_n`, reservation `resv_n`, message `msg_n`) with
+/// the engine's `reserve`; panics unless it is created.
+pub async fn reserve_one(functions: &Functions, keys: &SkuKeys, n: u64) {
+    let (request_id, reservation_id, message_id) =
+        (format!("req_{n}"), format!("resv_{n}"), format!("msg_{n}"));
+    let args = ReserveArgs {
+        request_id: &request_id,
+        user_id: n,
+        payload_hash: "h",
+        reservation_id: &reservation_id,
+        message_id: &message_id,
+        now_ms: T0 + 10,
+        pending_grace_ms: 3_000,
+        quantity: 1,
+    };
+    let reply = functions.reserve(keys, &args).await.expect("reserve");
+    assert!(matches!(reply, ReserveReply::Created { .. }), "{reply:?}");
+}
 
 /// Runs `f` on a fresh unpinned glommio executor (the benches share the cores with the
 /// servers) and returns what it returns.

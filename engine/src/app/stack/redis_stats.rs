@@ -142,7 +142,7 @@ fn hot_master(masters: &[u16], key: &str) -> anyhow::Result<u16> {
 }
 
 /// `(command, calls)` of `INFO commandstats` (`cmdstat_get:calls=3,usec=...`).
-fn commandstats(info: &str) -> Vec<(String, u64)> {
+pub fn commandstats(info: &str) -> Vec<(String, u64)> {
     info.lines()
         .filter_map(|line| {
             let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
