@@ -153,6 +153,18 @@ impl PgPoolConfig {
         Ok(())
     }
 
+    /// The settings of one connection kept by a side task that asks every `every` (the edge's
+    /// health ping, the dependency stats): its whole connect bounded by the same interval.
+    pub fn probe(url: String, every: Duration, application_name: &str) -> PgPoolConfig {
+        PgPoolConfig {
+            url,
+            pool_size: 1,
+            connect_timeout_ms: u64::try_from(every.as_millis()).unwrap_or(u64::MAX).max(1),
+            application_name: application_name.to_owned(),
+            ..PgPoolConfig::default()
+        }
+    }
+
     fn parsed(&self) -> Result<tokio_postgres::Config, PgError> {
         self.url.parse().map_err(|e| PgError::Config(format!("pg url: {e}")))
     }

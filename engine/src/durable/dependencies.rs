@@ -191,13 +191,7 @@ pub async fn poll(
     every: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let settings = PgPoolConfig {
-        url: pg_url,
-        pool_size: 1,
-        connect_timeout_ms: u64::try_from(every.as_millis()).unwrap_or(u64::MAX).max(1),
-        application_name: "flashsale-dependency-stats".to_owned(),
-        ..PgPoolConfig::default()
-    };
+    let settings = PgPoolConfig::probe(pg_url, every, "flashsale-dependency-stats");
     let connector = Connector::new(&settings).ok();
     let mut pg: Option<(tokio_postgres::Client, tokio::task::JoinHandle<()>)> = None;
     loop {

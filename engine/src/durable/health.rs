@@ -149,13 +149,7 @@ async fn ping_postgres(
     every: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let settings = PgPoolConfig {
-        url: pg_url,
-        pool_size: 1,
-        connect_timeout_ms: u64::try_from(every.as_millis()).unwrap_or(u64::MAX).max(1),
-        application_name: "flashsale-health".to_owned(),
-        ..PgPoolConfig::default()
-    };
+    let settings = PgPoolConfig::probe(pg_url, every, "flashsale-health");
     let connector = match Connector::new(&settings) {
         Ok(connector) => Some(connector),
         Err(e) => {
