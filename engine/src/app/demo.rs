@@ -146,6 +146,12 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     load_ended.store(true, std::sync::atomic::Ordering::Relaxed);
     let samples = sampler.map(demo_cpu::Sampler::finish);
     let redis = redis.map(|t| t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("panicked"))));
+    // Read once the Redis account saw every outcome applied (the log's work is done then).
+    let sold = match &redis {
+        Some(Ok(account)) => account["sold_units"].as_u64().unwrap_or(plan.stock),
+        _ => plan.stock,
+    };
+    let log = stack::log_stats::account(&config.nats_url, sold);
     let (fault_report, second) = match fault.map(|t| t.join()) {
         Some(Ok((report, second))) => (Some(report), second),
         Some(Err(_)) => (Some(serde_json::json!({"error": "the fault thread panicked"})), None),
@@ -159,6 +165,18 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
     handle.shutdown();
     stack::down(&plan.dir, false)?;
     add_fault_and_cpu(plan, fault_report, samples)?;
+    add_accounts(plan, redis, log)?;
+    anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
+    eprintln!("demo: report in {}, picture in {}", plan.json.display(), plan.svg.display());
+    Ok(())
+}
+
+/// The Redis and log accounts, printed and added to the report as `redis` and `log`.
+fn add_accounts(
+    plan: &DemoPlan,
+    redis: Option<anyhow::Result<serde_json::Value>>,
+    log: anyhow::Result<serde_json::Value>,
+) -> anyhow::Result<()> {
     match redis {
         Some(Ok(account)) => {
             println!("{}", redis_stats::render(&account));
@@ -167,9 +185,16 @@ pub fn run(plan: &DemoPlan) -> anyhow::Result<()> {
         Some(Err(e)) => eprintln!("demo: no Redis account: {e:#}"),
         None => {}
     }
-    anyhow::ensure!(status.success(), "the load generator reported a failure ({status})");
-    eprintln!("demo: report in {}, picture in {}", plan.json.display(), plan.svg.display());
-    Ok(())
+    match log {
+        Ok(account) => {
+            println!("{}", stack::log_stats::render(&account));
+            add_to_report(&plan.json, "log", account)
+        }
+        Err(e) => {
+            eprintln!("demo: no log account: {e:#}");
+            Ok(())
+        }
+    }
 }
 
 /// A fault needs a topology that has what it breaks.

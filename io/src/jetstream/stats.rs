@@ -28,6 +28,10 @@ pub struct ConsumerStats {
     pub pending: u64,
     /// Delivered, not yet acknowledged.
     pub ack_pending: u64,
+    /// Deliveries made so far, redeliveries included (the consumer sequence).
+    pub delivered: u64,
+    /// Messages delivered more than once.
+    pub redelivered: u64,
 }
 
 /// One stream's figures; `error` set (and the numbers 0) when it did not answer.
@@ -36,6 +40,8 @@ pub struct StreamStats {
     pub stream: &'static str,
     pub messages: u64,
     pub bytes: u64,
+    /// Messages ever stored (the last sequence: publishes the duplicate window kept).
+    pub stored_total: u64,
     /// The stream's `max_bytes` when it has one (None: unlimited by its own config).
     pub max_bytes: Option<u64>,
     /// The leader's server name; `None` on a server without clustering.
@@ -62,6 +68,7 @@ async fn poll_stream(
         stream,
         messages: 0,
         bytes: 0,
+        stored_total: 0,
         max_bytes: None,
         leader: None,
         consumers: Vec::with_capacity(consumers.len()),
@@ -77,6 +84,7 @@ async fn poll_stream(
     let info = handle.cached_info();
     stats.messages = info.state.messages;
     stats.bytes = info.state.bytes;
+    stats.stored_total = info.state.last_sequence;
     stats.max_bytes = u64::try_from(info.config.max_bytes).ok().filter(|b| *b > 0);
     stats.leader = info.cluster.as_ref().and_then(|c| c.leader.clone()).filter(|l| !l.is_empty());
     for consumer in consumers {
@@ -85,6 +93,8 @@ async fn poll_stream(
                 consumer,
                 pending: c.num_pending,
                 ack_pending: c.num_ack_pending as u64,
+                delivered: c.delivered.consumer_sequence,
+                redelivered: c.num_redelivered as u64,
             }),
             Err(e) => {
                 stats.error.get_or_insert_with(|| format!("consumer {consumer}: {e}"));

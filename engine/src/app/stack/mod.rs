@@ -28,6 +28,7 @@ pub mod balancer;
 mod dir;
 mod error;
 mod kind;
+pub mod log_stats;
 pub mod nats_cluster;
 mod pg_init;
 mod pg_query;
