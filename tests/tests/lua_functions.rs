@@ -452,6 +452,45 @@ fn reserve_sells_the_last_unit_then_sold_out() {
     });
 }
 
+/// A sold-out SKU's plain reads (`Functions::sold_out_reads`, issue 25: instead of a whole
+/// `reserve` before the replay map is loaded) see what `reserve` decides by: the request's
+/// replay fields, `meta`'s status and limit, the buyer's marker — and write nothing.
+#[test]
+fn sold_out_reads_see_what_reserve_decides_by_and_write_nothing() {
+    with_redis(|f| async move {
+        preheat(&f, ActivityStatus::Active, 1, 1).await;
+        assert_eq!(reserve_n(&f, 1).await, created(0, T0 + 10));
+        let dbsize = cmd(&f, &["DBSIZE"]).await;
+        let reads = |user, request: &'static str| {
+            let f = &f;
+            async move { f.sold_out_reads(&keys(), user, request).await.expect("reads") }
+        };
+        // The buyer's retry: his record, as IDEMPOTENT returns it.
+        let retry = reads(30001, "req_1").await;
+        let replay = retry.replay.expect("the record");
+        assert_eq!((replay.payload_hash.as_str(), replay.state.as_str()), ("h", "QUEUED_PENDING"));
+        assert_eq!(
+            (replay.reservation_id.as_str(), replay.message_id.as_str()),
+            ("resv_1", "msg_1")
+        );
+        assert!(matches!(reserve_n(&f, 1).await, ReserveReply::Idempotent { .. }));
+        // The same buyer with a new request id: no record, his marker (DUPLICATE_USER).
+        let again = reads(30001, "req_9").await;
+        assert_eq!((again.replay, again.marker.as_deref()), (None, Some("resv_1")));
+        assert_eq!((again.status.as_deref(), again.max_per_buyer), (Some("ACTIVE"), Some(1)));
+        let dup = reserve_as(&f, &ids(9), 30001, "h", T0 + 10).await;
+        assert_eq!(dup, ReserveReply::DuplicateUser { reservation_id: "resv_1".into() });
+        // Another buyer: nothing of his (SOLD_OUT).
+        let other = reads(30002, "req_2").await;
+        assert_eq!((other.replay, other.marker), (None, None));
+        assert_eq!(reserve_n(&f, 2).await, ReserveReply::SoldOut);
+        assert_eq!(cmd(&f, &["DBSIZE"]).await, dbsize, "neither the reads nor SOLD_OUT wrote");
+        // The SKU's keys gone: no meta.
+        cmd(&f, &["DEL", &key("meta")]).await;
+        assert_eq!(reads(30002, "req_2").await.status, None);
+    });
+}
+
 /// FCALL by hand, for arguments the typed binding cannot even express.
 async fn fcall_raw(f: &Functions, function: &str, keys: &[&str], args: &[&str]) -> String {
     let numkeys = keys.len().to_string();

@@ -247,6 +247,9 @@ pub struct Call {
     /// The place on the expensive path; [`Finish`] hands it back for
     /// [`OwnerState::path_done`] once the answer (after the publish) is known.
     pub path: PathPermit,
+    /// The SKU is sold out and this instance's replay map not loaded yet: the request's record
+    /// and the buyer's marker are read instead of calling `reserve` (nothing can be reserved).
+    pub sold_out_reads: bool,
 }
 
 /// The first step's outcome.
@@ -382,6 +385,8 @@ impl OwnerState {
         let failover_retry_ms = self.limits.budgets.dependency_retry_ms;
         self.overload_tick(now_ms, outside.backlog);
         let (partition, tracked) = self.partition(request.key, now_ms);
+        // A permit for a sold-out partition means its replays are not loaded yet.
+        let sold_out_reads = partition.is_sold_out();
         let permit = match plan_permit(partition, request, failover_retry_ms, now_ms) {
             Ok(permit) => permit,
             Err((answer, admission_reject)) => return Begin::Answer { answer, admission_reject },
@@ -410,6 +415,7 @@ impl OwnerState {
                     reservation_id,
                     message_id,
                     path,
+                    sold_out_reads,
                 })
             }
             (Decision::Admit, Admit::Call(call), Some(Err(retry_after_ms))) => {
@@ -456,7 +462,7 @@ impl OwnerState {
         result: ReserveResult,
         now_ms: u64,
     ) -> Finish {
-        let Call { ticket, reservation_id, message_id, path } = call;
+        let Call { ticket, reservation_id, message_id, path, .. } = call;
         let Ticket { key, tracked, permit, node, call: circuit_call } = ticket;
         assert!(self.in_flight > 0, "a submission finished that never began");
         self.in_flight -= 1;
@@ -918,6 +924,33 @@ mod tests {
             other => panic!("expected a replay, got {other:?}"),
         }
         assert_eq!(owner.in_flight(), 0);
+    }
+
+    /// Sold out with the replays not loaded, a request still needs Redis (a retry must get
+    /// its first answer), but only its record read, not a `reserve` (issue 25); loaded, it is
+    /// answered here.
+    #[test]
+    fn sold_out_before_the_replays_are_loaded_asks_for_reads_not_a_reserve() {
+        let mut owner = OwnerState::new(limits(), [6; 32]);
+        let h = hash(3);
+        let key = SkuKey::new(1, 2);
+        let r = request(2, "req_1", &h);
+        let c = call(owner.begin(&r, None, &outside(false, NOW), NOW));
+        assert!(!c.sold_out_reads, "not sold out: reserve");
+        let finish = owner.finish(c, &r, ReserveResult::SoldOut, NOW);
+        owner.path_done(finish.path, 10);
+        let r2 = request(2, "req_2", &h);
+        let c = call(owner.begin(&r2, None, &outside(false, NOW), NOW));
+        assert!(c.sold_out_reads, "sold out, replays not loaded: reads");
+        let finish = owner.finish(c, &r2, ReserveResult::SoldOut, NOW);
+        owner.path_done(finish.path, 10);
+        assert_eq!(finish.answer.outcome, SubmitOutcome::SoldOut);
+        assert!(owner.replay_load_due(key));
+        owner.on_replays_loaded(key, Some(Vec::new()));
+        match owner.begin(&request(2, "req_3", &h), None, &outside(false, NOW), NOW) {
+            Begin::Answer { answer, .. } => assert_eq!(answer.outcome, SubmitOutcome::SoldOut),
+            Begin::Call(_) => panic!("loaded replays answer a sold-out SKU without Redis"),
+        }
     }
 
     /// A SKU whose `meta` Redis no longer has: unknown to the owner it is `ACTIVITY_NOT_ACTIVE`

@@ -120,8 +120,13 @@ fn accepted(request_id: &str, r: flashsale_io::redis::layout::ReplayRecord) -> A
         reservation_id: Arc::from(r.reservation_id.as_str()),
         message_id: Arc::from(r.message_id.as_str()),
         payload_hash: Arc::from(r.payload_hash.as_str()),
-        state: RequestState::parse(&r.state).map_or(AcceptedState::Queued, first_answer),
+        state: first_answer_of(&r.state),
     }
+}
+
+/// [`first_answer`] of a record's state as stored (an unknown one reads as `QUEUED`).
+pub fn first_answer_of(state: &str) -> AcceptedState {
+    RequestState::parse(state).map_or(AcceptedState::Queued, first_answer)
 }
 
 /// The first answer a request got, from its state in Redis now: `QUEUED_PENDING` stays, any

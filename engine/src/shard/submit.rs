@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bytes::BytesMut;
+use flashsale_io::redis::layout::{ActivityStatus, SoldOutReads};
 use flashsale_io::redis::script::{
     ActivityInvalidReason, ReserveArgs, ReserveReply, ScriptError, SkuKeys,
 };
@@ -24,7 +25,7 @@ use futures::channel::oneshot;
 use super::limiters::Limiters;
 use super::mesh::{ForwardedSubmit, Mesh};
 use super::publish::{publish_order, MsgIdentity, Origin, PublishPath};
-use super::replays::{ensure_loaded, first_answer};
+use super::replays::{ensure_loaded, first_answer, first_answer_of};
 use super::reply::write_state;
 use super::request::RequestCtx;
 use super::shared::EdgeShared;
@@ -276,10 +277,16 @@ async fn expensive_path(
         pending_grace_ms: deps.shared.config.pending_grace_ms,
         quantity: s.quantity,
     };
-    let started = Instant::now();
-    let reply = deps.store.functions.reserve(keys, &args).await;
-    deps.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
-    let finish = deps.owner.borrow_mut().finish(call, s, reserve_result(reply), now);
+    let result = if call.sold_out_reads {
+        let reads = deps.store.functions.sold_out_reads(keys, s.user_id.0, s.request_id).await;
+        sold_out_result(reads, s.payload_hash.as_str(), s.quantity)
+    } else {
+        let started = Instant::now();
+        let reply = deps.store.functions.reserve(keys, &args).await;
+        deps.metrics().lua_latency.observe_ns(started.elapsed().as_nanos() as u64);
+        reserve_result(reply)
+    };
+    let finish = deps.owner.borrow_mut().finish(call, s, result, now);
     if finish.data_lost {
         deps.metrics().redis_data_losses.fetch_add(1, Ordering::Relaxed);
         tracing::error!(
@@ -319,6 +326,48 @@ fn outside(deps: &SubmitDeps<'_>, key: SkuKey, now: u64) -> Outside {
     }
 }
 
+/// A sold-out SKU's answer from its plain reads, in `reserve`'s order: the request's record
+/// (`IDEMPOTENT` or `IDEMPOTENCY_CONFLICT`), `meta` (gone: the SKU's keys were lost; not
+/// `ACTIVE`), the limit per buyer, the buyer's marker (`DUPLICATE_USER`), else `SOLD_OUT`.
+/// A read that failed wrote nothing: not run.
+fn sold_out_result(
+    reads: Result<SoldOutReads, ScriptError>,
+    payload_hash: &str,
+    quantity: u32,
+) -> ReserveResult {
+    let reads = match reads {
+        Ok(reads) => reads,
+        Err(e) => {
+            tracing::warn!(error = %e, "sold-out reads failed");
+            return ReserveResult::NotRun;
+        }
+    };
+    if let Some(r) = reads.replay {
+        if r.payload_hash != payload_hash {
+            return ReserveResult::IdempotencyConflict;
+        }
+        return ReserveResult::Idempotent {
+            first: first_answer_of(&r.state),
+            reservation_id: r.reservation_id,
+            message_id: r.message_id,
+        };
+    }
+    match reads.status.as_deref() {
+        None => return ReserveResult::MetaMissing,
+        Some(status) if status != ActivityStatus::Active.as_str() => {
+            return ReserveResult::ActivityInvalid
+        }
+        Some(_) => {}
+    }
+    if u64::from(quantity) > reads.max_per_buyer.unwrap_or(1) {
+        return ReserveResult::OverLimit;
+    }
+    match reads.marker {
+        Some(reservation_id) => ReserveResult::DuplicateUser { reservation_id },
+        None => ReserveResult::SoldOut,
+    }
+}
+
 /// The script binding's answer as the decision needs it.
 fn reserve_result(reply: Result<ReserveReply, ScriptError>) -> ReserveResult {
     match reply {
@@ -354,5 +403,64 @@ fn reserve_result(reply: Result<ReserveReply, ScriptError>) -> ReserveResult {
             tracing::warn!(error = %e, "reserve not executed");
             ReserveResult::NotRun
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::logic::partition::AcceptedState;
+    use flashsale_io::redis::layout::ReplayRecord;
+
+    fn reads(
+        replay: Option<(&str, &str)>,
+        status: Option<&str>,
+        marker: Option<&str>,
+    ) -> SoldOutReads {
+        SoldOutReads {
+            replay: replay.map(|(hash, state)| ReplayRecord {
+                payload_hash: hash.into(),
+                reservation_id: "resv_1".into(),
+                message_id: "msg_1".into(),
+                state: state.into(),
+            }),
+            status: status.map(str::to_owned),
+            max_per_buyer: Some(2),
+            marker: marker.map(str::to_owned),
+        }
+    }
+
+    /// In `reserve`'s order: the record first (even when `meta` is gone or not ACTIVE), then
+    /// `meta`, the limit, the marker, and only then SOLD_OUT.
+    #[test]
+    fn a_sold_out_skus_reads_answer_in_reserves_order() {
+        let active = Some("ACTIVE");
+        let answer = |r: SoldOutReads, quantity| sold_out_result(Ok(r), "h", quantity);
+        assert_eq!(
+            answer(reads(Some(("h", "QUEUED_PENDING")), None, Some("resv_1")), 1),
+            ReserveResult::Idempotent {
+                reservation_id: "resv_1".into(),
+                message_id: "msg_1".into(),
+                first: AcceptedState::QueuedPending,
+            }
+        );
+        assert!(matches!(
+            answer(reads(Some(("h", "SUCCEEDED")), active, None), 1),
+            ReserveResult::Idempotent { first: AcceptedState::Queued, .. }
+        ));
+        assert_eq!(
+            answer(reads(Some(("other", "QUEUED")), active, None), 1),
+            ReserveResult::IdempotencyConflict
+        );
+        assert_eq!(answer(reads(None, None, Some("resv_1")), 1), ReserveResult::MetaMissing);
+        assert_eq!(answer(reads(None, Some("ENDED"), None), 1), ReserveResult::ActivityInvalid);
+        assert_eq!(answer(reads(None, active, Some("resv_1")), 3), ReserveResult::OverLimit);
+        assert_eq!(
+            answer(reads(None, active, Some("resv_9")), 2),
+            ReserveResult::DuplicateUser { reservation_id: "resv_9".into() }
+        );
+        assert_eq!(answer(reads(None, active, None), 1), ReserveResult::SoldOut);
+        let failed = sold_out_result(Err(ScriptError::Server("down".into())), "h", 1);
+        assert_eq!(failed, ReserveResult::NotRun);
     }
 }

@@ -104,6 +104,19 @@ pub struct ReplayRecord {
     pub state: String,
 }
 
+/// What a submit to a sold-out SKU needs while the instance's replay map is not loaded
+/// ([`crate::redis::script::Functions::sold_out_reads`]): the request's replay fields, the
+/// activity's status and limit per buyer from `meta`, and the buyer's marker.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SoldOutReads {
+    pub replay: Option<ReplayRecord>,
+    /// `meta`'s `status` as stored (`None`: no `meta`, the SKU's keys are gone).
+    pub status: Option<String>,
+    pub max_per_buyer: Option<u64>,
+    /// The reservation id the buyer's marker holds.
+    pub marker: Option<String>,
+}
+
 /// The sizes that a reservation or an outcome moves: `stock`, `resv:pending`, `resv:stuck`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SkuCounters {
