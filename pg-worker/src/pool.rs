@@ -303,18 +303,29 @@ struct Learned {
 }
 
 impl Connector {
+    /// A connector sharing what this process's other connectors to the same hosts learned
+    /// (several hosts; a single host has nothing to share).
     pub fn new(config: &PgPoolConfig) -> Result<Connector, PgError> {
+        let mut connector = Connector::isolated(config)?;
+        if connector.hosts.len() > 1 {
+            connector.state = shared_learned(&connector.hosts);
+        }
+        Ok(connector)
+    }
+
+    /// A connector that has learned nothing, as in a fresh process (the drills' "new process"
+    /// case: its first connect must survey every host itself).
+    pub fn isolated(config: &PgPoolConfig) -> Result<Connector, PgError> {
         config.validate()?;
         let base = config.parsed()?;
         let hosts: Arc<[HostSpec]> = host_specs(&base)?.into();
-        let state = if hosts.len() > 1 { shared_learned(&hosts) } else { Arc::default() };
         Ok(Connector {
             hosts,
             attrs: base.get_target_session_attrs(),
             base,
             deadline: Duration::from_millis(config.connect_timeout_ms),
             settings: Arc::new(config.clone()),
-            state,
+            state: Arc::default(),
         })
     }
 
