@@ -442,8 +442,10 @@ async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
 }
 
 /// `f` on a pooled connection within `timeout`. A call that outlasts it may have met a hung
-/// primary: the connector surveys the hosts at once, so a promoted standby's newer timeline
-/// closes the pool's connections to the old one before they are handed out again.
+/// primary, and its connection went back to the pool mid-statement when the call was dropped:
+/// the pool's idle connections are closed (that one among them, so no later call queues
+/// behind its statement) and the connector surveys the hosts at once, so a promoted standby's
+/// newer timeline closes the connections to the old primary that are still in use.
 async fn with_pg<T, F, Fut>(pg: &EdgePg, timeout: Duration, f: F) -> Result<T, DurableError>
 where
     F: FnOnce(deadpool_postgres::Object) -> Fut,
@@ -453,8 +455,10 @@ where
         let client = pg.pool.get().await.map_err(|e| DurableError::Pool(e.to_string()))?;
         f(client).await.map_err(DurableError::from)
     };
+    // Bounded first: the timed-out call, and with it its connection, is dropped before this.
     let result = tokio::time::timeout(timeout, work).await;
     if result.is_err() {
+        pg.pool.retain(|_, _| false);
         pg.connector.suspect();
     }
     result.map_err(|_| DurableError::Timeout)?
