@@ -21,6 +21,9 @@ use crate::app::stack::nats_cluster::NatsCluster;
 use crate::app::stack::pg_standbys::{PgStandbys, NODE_NAMES};
 use crate::app::stack::{signal_process, RedisCluster, StackError};
 
+/// How late a round may start before it is skipped.
+const LATE_MAX_MS: u64 = 2_000;
+
 /// What the nemesis holds.
 pub struct Targets {
     pub redis: RedisCluster,
@@ -52,6 +55,8 @@ enum Held {
         new: usize,
     },
     PgPartitioned(usize),
+    /// The NATS node `index` (the leader as it was when the fault began).
+    Nats(usize, Action),
 }
 
 /// Runs every round at its time (from `started`); returns the events.
@@ -59,6 +64,13 @@ pub fn run(targets: &mut Targets, schedule: &Schedule, started: Instant) -> Vec<
     let mut events = Vec::new();
     let at = |started: Instant| started.elapsed().as_millis() as u64;
     for (round, r) in schedule.rounds.iter().enumerate() {
+        // A round that cannot start on time (a slow heal before it) is skipped, and said: the
+        // run then did less than the schedule, never something else.
+        if at(started) > r.at_ms + LATE_MAX_MS {
+            let what = format!("round skipped: {} ms late", at(started) - r.at_ms);
+            events.push(Event { at_ms: at(started), round, what, error: None });
+            continue;
+        }
         sleep_until(started + Duration::from_millis(r.at_ms));
         let mut held = Vec::new();
         for fault in &r.faults {
@@ -99,6 +111,7 @@ fn describe(held: &Held) -> String {
             format!("failover {} -> {} (old primary rejoins)", NODE_NAMES[*old], NODE_NAMES[*new])
         }
         Held::PgPartitioned(i) => format!("partition {}", NODE_NAMES[*i]),
+        Held::Nats(i, action) => format!("{} nats-{i}", action.name()),
     }
 }
 
@@ -107,7 +120,13 @@ fn inject(t: &mut Targets, fault: Fault) -> anyhow::Result<Held> {
         Node::Redis(i) => {
             redis_inject(t, usize::from(i), fault.action).map(|()| Held::Plain(fault))
         }
-        Node::Nats(i) => nats_inject(t, usize::from(i), fault.action).map(|()| Held::Plain(fault)),
+        Node::Nats(i) => nats_inject(t, usize::from(i), fault.action),
+        Node::NatsLeader => {
+            let leader = t.nats.stream_leader(flashsale_io::jetstream::ORDERS_STREAM);
+            let index = leader.and_then(|name| t.nats.index_of(&name));
+            let index = index.ok_or_else(|| anyhow::anyhow!("SECKILL_ORDERS has no leader"))?;
+            nats_inject(t, index, fault.action)
+        }
         Node::Engine(i) => {
             let engine = &mut t.engines[usize::from(i)];
             match fault.action {
@@ -130,7 +149,6 @@ fn heal(t: &mut Targets, held: Held) -> anyhow::Result<()> {
     match held {
         Held::Plain(f) => match f.node {
             Node::Redis(i) => redis_heal(t, usize::from(i), f.action),
-            Node::Nats(i) => nats_heal(t, usize::from(i), f.action),
             Node::Engine(i) => {
                 let engine = &mut t.engines[usize::from(i)];
                 match f.action {
@@ -141,7 +159,7 @@ fn heal(t: &mut Targets, held: Held) -> anyhow::Result<()> {
                     }
                 }
             }
-            Node::PgPrimary | Node::PgStandby(_) => Ok(()),
+            Node::Nats(_) | Node::NatsLeader | Node::PgPrimary | Node::PgStandby(_) => Ok(()),
         },
         Held::PgFrozen(i) => Ok(t.pg.thaw(i)?),
         Held::PgKilled(i) => Ok(t.pg.restart(i)?),
@@ -150,6 +168,7 @@ fn heal(t: &mut Targets, held: Held) -> anyhow::Result<()> {
             Ok(())
         }
         Held::PgFailedOver { old, new } => Ok(t.pg.rejoin(old, new)?),
+        Held::Nats(index, action) => nats_heal(t, index, action),
     }
 }
 
@@ -170,7 +189,7 @@ fn redis_heal(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<(
     Ok(t.redis.wait_healthy(Duration::from_secs(60))?)
 }
 
-fn nats_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<()> {
+fn nats_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<Held> {
     match action {
         Action::Kill => t.nats.kill(index)?,
         _ => {
@@ -178,7 +197,7 @@ fn nats_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<
             signal_process(pid, libc::SIGSTOP);
         }
     }
-    Ok(())
+    Ok(Held::Nats(index, action))
 }
 
 fn nats_heal(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<()> {

@@ -131,6 +131,9 @@ pub fn run(plan: &ChaosPlan) -> anyhow::Result<Verdict> {
     };
     report(plan, &verdict)?;
     drop(balancer);
+    drop(targets);
+    // The data stays for a look (`flashsale stack up --dir D` starts it again).
+    stack::down(&plan.dir, false)?;
     Ok(verdict)
 }
 
@@ -312,6 +315,7 @@ fn figures(schedule: &Schedule, events: &[Event], answers: &[Answer]) -> Vec<Rou
             }
         }
         let faults = events.iter().filter(|e| e.round == i && !e.what.starts_with("heal"));
+        let faults = faults.filter(|e| !e.what.starts_with("round skipped"));
         let faults: Vec<&str> =
             faults.map(|e| e.what.split(" (took").next().unwrap_or("")).collect();
         out.push(RoundFigures {

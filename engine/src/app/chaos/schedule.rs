@@ -10,7 +10,7 @@
 //!   together, and the next round starts after a gap. So at most two faults hold at once.
 //! - The two faults of a round are in **different groups** (Redis, NATS, PostgreSQL, engine):
 //!   one Redis node of six (a master and its replica never both), one NATS node of three
-//!   (quorum 2), one PostgreSQL node of three (the primary's loss is a promotion; a standby's
+//!   (quorum 2; half the time the `SECKILL_ORDERS` leader), one PostgreSQL node of three (the primary's loss is a promotion; a standby's
 //!   leaves `ANY 1` satisfied), one engine of two (the balancer has the other).
 //! - A **partition** (the node's proxy refuses and stalls every connection) only for nodes a
 //!   proxy fronts: PostgreSQL's, whose multi-host URL lists the proxies. Redis Cluster clients
@@ -58,6 +58,9 @@ pub enum Node {
     Redis(u8),
     /// One of the three JetStream nodes.
     Nats(u8),
+    /// Whichever JetStream node leads `SECKILL_ORDERS` at the time (Jepsen's lesson: the
+    /// leader is where a fault hurts).
+    NatsLeader,
     /// One of the three PostgreSQL nodes; whichever is primary at the time.
     PgPrimary,
     /// A standby of the current primary (the first or the second one).
@@ -70,7 +73,7 @@ impl Node {
     fn group(self) -> Group {
         match self {
             Node::Redis(_) => Group::Redis,
-            Node::Nats(_) => Group::Nats,
+            Node::Nats(_) | Node::NatsLeader => Group::Nats,
             Node::PgPrimary | Node::PgStandby(_) => Group::Pg,
             Node::Engine(_) => Group::Engine,
         }
@@ -80,6 +83,7 @@ impl Node {
         match self {
             Node::Redis(i) => format!("redis-{i}"),
             Node::Nats(i) => format!("nats-{i}"),
+            Node::NatsLeader => "nats-leader".to_owned(),
             Node::PgPrimary => "pg-primary".to_owned(),
             Node::PgStandby(i) => format!("pg-standby-{i}"),
             Node::Engine(i) => format!("engine-{i}"),
@@ -233,6 +237,7 @@ fn pick_faults(rng: &mut SplitMix64, count: usize) -> Vec<Fault> {
 fn pick_in(rng: &mut SplitMix64, group: Group) -> Fault {
     let node = match group {
         Group::Redis => Node::Redis(rng.between(0, 5) as u8),
+        Group::Nats if rng.chance(50) => Node::NatsLeader,
         Group::Nats => Node::Nats(rng.between(0, 2) as u8),
         Group::Pg if rng.chance(50) => Node::PgPrimary,
         Group::Pg => Node::PgStandby(rng.between(0, 1) as u8),
@@ -304,7 +309,7 @@ mod tests {
         for action in [Action::Kill, Action::Freeze, Action::Partition] {
             assert!(rounds.iter().flat_map(|r| &r.faults).any(|f| f.action == action));
         }
-        for node in [Node::PgPrimary, Node::Nats(0), Node::Redis(5), Node::Engine(1)] {
+        for node in [Node::PgPrimary, Node::NatsLeader, Node::Redis(5), Node::Engine(1)] {
             assert!(rounds.iter().flat_map(|r| &r.faults).any(|f| f.node == node), "{node:?}");
         }
     }

@@ -204,7 +204,7 @@ impl PgStandbys {
         let mut command = Command::new(find_binary(Kind::Postgres, "pg_basebackup")?);
         command
             .args(["-h", "127.0.0.1", "-p", &self.nodes[primary].port.to_string()])
-            .args(["-U", "postgres", "-X", "stream", "-R", "--no-sync", "-D"])
+            .args(["-U", "postgres", "-X", "stream", "-R", "--no-sync", "--checkpoint=fast", "-D"])
             .arg(node.data());
         as_postgres_user(&mut command)?;
         let output = command.output().map_err(io_err("run pg_basebackup"))?;
