@@ -260,8 +260,41 @@ struct Learned {
     live: Mutex<Vec<(u32, tokio::task::AbortHandle)>>,
 }
 
+/// What the connectors of this process to the same hosts have learned, shared: the edge's
+/// pool, its health and statistics pings and the in-process worker's pool each have a
+/// connector, and what one learns must reach the others. Found by the mid-sale drill of
+/// `tests/tests/ha_pg.rs` (flaky under load): the worker's connector learned the newest
+/// timeline after a hung primary was failed over, while the edge's pool kept an idle
+/// connection to the old primary, and once that came back writable on its old timeline the
+/// edge's reconcile read it. Shared, the newer timeline closes every connection behind it and
+/// the fencing rule refuses the old primary to every connector. Keyed by the host list in
+/// order; one entry per distinct list a process uses (a handful).
+fn shared_state(hosts: &[HostSpec]) -> Arc<Learned> {
+    type Registry = Mutex<Vec<(Vec<(String, u16)>, Arc<Learned>)>>;
+    static REGISTRY: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+    let key: Vec<(String, u16)> =
+        hosts.iter().map(|h| (format!("{:?}/{:?}", h.host, h.hostaddr), h.port)).collect();
+    let registry = REGISTRY.get_or_init(|| Mutex::new(Vec::new()));
+    let mut entries = registry.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, state)) = entries.iter().find(|(k, _)| *k == key) {
+        return Arc::clone(state);
+    }
+    let state = Arc::new(Learned::default());
+    entries.push((key, Arc::clone(&state)));
+    state
+}
+
 impl Connector {
+    /// A connector sharing what this process's other connectors to the same hosts learned.
     pub fn new(config: &PgPoolConfig) -> Result<Connector, PgError> {
+        let mut connector = Connector::isolated(config)?;
+        connector.state = shared_state(&connector.hosts);
+        Ok(connector)
+    }
+
+    /// A connector that has learned nothing, as in a fresh process (the drills' "new
+    /// process" case).
+    pub fn isolated(config: &PgPoolConfig) -> Result<Connector, PgError> {
         config.validate()?;
         let base = config.parsed()?;
         let hosts: Arc<[HostSpec]> = host_specs(&base)?.into();
@@ -278,6 +311,13 @@ impl Connector {
     /// The highest timeline seen on a writable host (0: none yet).
     pub fn timeline_max(&self) -> u32 {
         self.state.timeline_max.load(Ordering::Acquire)
+    }
+
+    /// A call through one of this connector's connections outlived its deadline: the host
+    /// may be hung or failed over, so the next connect surveys every host first (and learns a
+    /// newer timeline before it could pick an old primary that came back).
+    pub fn suspect(&self) {
+        self.state.lost.store(true, Ordering::Release);
     }
 
     /// The port of the host tried first next time.

@@ -185,7 +185,7 @@ async fn an_old_primary_restarted_writable_is_never_written_to() {
         assert_eq!(port, ports[1], "write {k}");
     }
     // ...and so do those of a fresh process's pool, whose first connect surveys every host.
-    let fresh = Connector::new(&config).expect("connector");
+    let fresh = Connector::isolated(&config).expect("connector");
     let fresh_pool = build_pool_with(&config, fresh.clone()).expect("pool");
     assert_eq!(insert_through(&fresh_pool, "fresh", Duration::from_secs(10)).await, ports[1]);
     assert_eq!(fresh.timeline_max(), 2, "learned by the survey");

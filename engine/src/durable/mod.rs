@@ -107,9 +107,16 @@ pub type LogJob = Box<
 
 /// A boxed PostgreSQL job run on the durable side; it replies through its own channel.
 pub type PgJob = Box<
-    dyn FnOnce(Pool, Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+    dyn FnOnce(PgSide, Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
         + Send,
 >;
+
+/// The edge's PostgreSQL side: its pool and the connector behind it.
+#[derive(Clone)]
+pub struct PgSide {
+    pool: Pool,
+    connector: flashsale_pg_worker::pool::Connector,
+}
 
 /// The shards' end of the crossing. `Send + Clone`: one clone per shard.
 #[derive(Clone)]
@@ -167,9 +174,9 @@ impl DurableHandle {
         Fut: std::future::Future<Output = Result<T, PgError>> + Send + 'static,
     {
         self.call(|reply| {
-            DurableRequest::Pg(Box::new(move |pool, default| {
+            DurableRequest::Pg(Box::new(move |pg, default| {
                 Box::pin(async move {
-                    let _ = reply.send(with_pg(&pool, timeout.unwrap_or(default), f).await);
+                    let _ = reply.send(with_pg(&pg, timeout.unwrap_or(default), f).await);
                 })
             }))
         })
@@ -283,7 +290,7 @@ async fn run_side(
     stop_rx: tokio::sync::watch::Receiver<bool>,
     ready_tx: std::sync::mpsc::Sender<anyhow::Result<()>>,
 ) {
-    let (log, publisher, pool, modes_store) = match connect(&config).await {
+    let (log, publisher, pg, modes_store) = match connect(&config).await {
         Ok(connected) => connected,
         Err(e) => {
             let _ = ready_tx.send(Err(e));
@@ -293,7 +300,7 @@ async fn run_side(
     let _ = ready_tx.send(Ok(()));
     let tasks = spawn_tasks(&config, &log, &publisher, &modes_store, sync, &control, &stop_rx);
     let client = log.client().clone();
-    let stores = Stores { log, publisher, pool, modes_store, client };
+    let stores = Stores { log, publisher, pg, modes_store, client };
     serve(config, stores, rx, stop_rx).await;
     for task in tasks {
         let _ = task.await;
@@ -351,25 +358,27 @@ fn spawn_tasks(
 
 async fn connect(
     config: &DurableConfig,
-) -> anyhow::Result<(Log, Publisher, Pool, jetstream::kv::Store)> {
+) -> anyhow::Result<(Log, Publisher, PgSide, jetstream::kv::Store)> {
     let log = Log::connect(&config.log).await?;
     log.ensure_streams().await?;
     log.ensure_consumers().await?;
     let modes_store = log.mode_store().await?;
     // The same pool code as the worker's: multi-host failover with a whole-connect deadline
     // per host, the fencing rule, keepalives, and the worker's statement/lock timeouts.
-    let pool = flashsale_pg_worker::pool::build_pool(&flashsale_pg_worker::PgPoolConfig {
+    let settings = flashsale_pg_worker::PgPoolConfig {
         url: config.pg_url.clone(),
         pool_size: config.pg_pool_size,
         wait_timeout_ms: config.pg_timeout_ms,
         application_name: "flashsale-edge".to_owned(),
         ..flashsale_pg_worker::PgPoolConfig::default()
-    })?;
+    };
+    let connector = flashsale_pg_worker::pool::Connector::new(&settings)?;
+    let pool = flashsale_pg_worker::pool::build_pool_with(&settings, connector.clone())?;
     // Prove the database answers now rather than on the first buyer's query.
     let client = pool.get().await.map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
     client.simple_query("SELECT 1").await?;
     let publisher = log.publisher();
-    Ok((log, publisher, pool, modes_store))
+    Ok((log, publisher, PgSide { pool, connector }, modes_store))
 }
 
 /// What the requests are served with.
@@ -377,7 +386,7 @@ async fn connect(
 struct Stores {
     log: Log,
     publisher: Publisher,
-    pool: Pool,
+    pg: PgSide,
     modes_store: jetstream::kv::Store,
     client: flashsale_io::jetstream::async_nats::Client,
 }
@@ -409,7 +418,7 @@ async fn serve(
 }
 
 async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
-    let Stores { log, publisher, pool, modes_store, client } = stores;
+    let Stores { log, publisher, pg, modes_store, client } = stores;
     match request {
         DurableRequest::PutMode { key, value, version, reply } => {
             let put = modes::put_mode(modes_store, &key, &value, version);
@@ -426,19 +435,36 @@ async fn handle(request: DurableRequest, stores: &Stores, timeout: Duration) {
             let _ = reply.send(futures::future::join_all(acks).await);
         }
         DurableRequest::StockReturned { key } => notice::publish(client, key).await,
-        DurableRequest::Pg(job) => job(pool.clone(), timeout).await,
+        DurableRequest::Pg(job) => job(pg.clone(), timeout).await,
         DurableRequest::Log(job) => job(log.clone(), publisher.clone(), timeout).await,
     }
 }
 
-async fn with_pg<T, F, Fut>(pool: &Pool, timeout: Duration, f: F) -> Result<T, DurableError>
+/// One edge PostgreSQL call within `timeout`. A call that outlives it leaves its connection
+/// mid-statement, and dropped here that connection would go back to the pool with the
+/// statement still running: the next call would queue behind it on a host that may be hung
+/// or failed over, and once such a host came back writable on an old timeline the edge would
+/// read and write there (the mid-sale drill of `tests/tests/ha_pg.rs` under load: the edge's
+/// reconcile read the thawed old primary). So on a timeout the pool's idle connections are
+/// closed (the timed-out one is among them by then) and the connector surveys every host
+/// before its next connect, learning the newest timeline and fencing the old primary.
+async fn with_pg<T, F, Fut>(pg: &PgSide, timeout: Duration, f: F) -> Result<T, DurableError>
 where
     F: FnOnce(deadpool_postgres::Object) -> Fut,
     Fut: std::future::Future<Output = Result<T, PgError>>,
 {
     let work = async {
-        let client = pool.get().await.map_err(|e| DurableError::Pool(e.to_string()))?;
+        let client = pg.pool.get().await.map_err(|e| DurableError::Pool(e.to_string()))?;
         f(client).await.map_err(DurableError::from)
     };
-    tokio::time::timeout(timeout, work).await.map_err(|_| DurableError::Timeout)?
+    // Bound first, so the timed-out call (and its connection) is dropped before the clean-up.
+    let outcome = tokio::time::timeout(timeout, work).await;
+    match outcome {
+        Ok(result) => result,
+        Err(_) => {
+            pg.connector.suspect();
+            pg.pool.retain(|_, _| false);
+            Err(DurableError::Timeout)
+        }
+    }
 }
