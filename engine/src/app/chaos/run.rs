@@ -130,6 +130,7 @@ pub fn run(plan: &ChaosPlan) -> anyhow::Result<Verdict> {
         breaches,
     };
     report(plan, &verdict)?;
+    write_record(plan, &answers)?;
     drop(balancer);
     drop(targets);
     // The data stays for a look (`flashsale stack up --dir D` starts it again).
@@ -346,6 +347,20 @@ fn count_answers(answers: &[Answer]) -> BTreeMap<String, usize> {
         *counts.entry(label).or_default() += 1;
     }
     counts
+}
+
+/// The generator's record, one answer per line, beside the JSON verdict (`F.answers.jsonl`):
+/// the ids behind a breach, for whoever replays the seed.
+fn write_record(plan: &ChaosPlan, answers: &[Answer]) -> anyhow::Result<()> {
+    let Some(json) = &plan.json else { return Ok(()) };
+    let mut path = json.clone().into_os_string();
+    path.push(".answers.jsonl");
+    let mut text = Vec::new();
+    for answer in answers {
+        serde_json::to_writer(&mut text, answer)?;
+        text.push(b'\n');
+    }
+    std::fs::write(&path, text).with_context(|| format!("write {}", path.to_string_lossy()))
 }
 
 /// Prints the events, the figures, the answers and the verdict; writes the JSON.
