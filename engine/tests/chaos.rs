@@ -89,6 +89,12 @@ fn a_short_seed_runs_clean_and_replays_its_schedule() {
     assert!(verdict["answers"]["submit QUEUED"].as_u64().unwrap_or(0) > 0, "{verdict}");
     assert_eq!(verdict["breaches"].as_array().map(Vec::len), Some(0), "{verdict}");
     assert!(stdout.contains("chaos seed 1: OK (0 breaches)"), "{stdout}");
+    // The generator's record, one answer per line, for whoever replays the seed.
+    let record = root.path().join(format!("verdict-{SEED}.json.answers.jsonl"));
+    let record = std::fs::read_to_string(&record).expect("the record beside the verdict");
+    let first: serde_json::Value =
+        serde_json::from_str(record.lines().next().unwrap_or("")).expect("a JSON answer per line");
+    assert!(first["request_id"].as_str().is_some_and(|id| id.starts_with("c1-")), "{first}");
 }
 
 /// The seeds tried, in order, until one fails the auditor: each freezes (or kills) the

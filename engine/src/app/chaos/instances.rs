@@ -15,6 +15,9 @@ use anyhow::Context;
 
 use crate::app::stack;
 
+/// Starts of a restarted instance before the nemesis reports it failed.
+const RESTARTS_MAX: u32 = 10;
+
 /// How long an instance gets to answer `/readyz` after a start.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -95,13 +98,24 @@ impl Instance {
         Ok(())
     }
 
-    /// Started again on the same ports; waits until ready.
+    /// Started again on the same ports, as a supervisor would: an instance that exits at
+    /// start (its dependencies may be mid-fault: `serve` refuses to start without the log)
+    /// is started again, up to [`RESTARTS_MAX`] times; waits until ready.
     pub fn restart(&mut self) -> anyhow::Result<Duration> {
         if let Ok(None) = self.child.try_wait() {
             self.kill()?;
         }
-        self.child = self.command.spawn().context("restart an engine instance")?;
-        self.wait_ready()
+        let started = Instant::now();
+        let mut last = None;
+        for _ in 0..RESTARTS_MAX {
+            self.child = self.command.spawn().context("restart an engine instance")?;
+            match self.wait_ready() {
+                Ok(_) => return Ok(started.elapsed()),
+                Err(e) => last = Some(e),
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("no restart attempted")))
     }
 
     pub fn signal(&self, signal: i32) {
