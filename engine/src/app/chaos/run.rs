@@ -124,7 +124,8 @@ pub fn run(plan: &ChaosPlan) -> anyhow::Result<Verdict> {
         events.push(Event { at_ms, round: schedule.rounds.len(), what, error });
     }
     settle(&market, &mut answers);
-    let stores = read_stores(&pg_url, admin, &answers)?;
+    let admins: Vec<SocketAddr> = targets.engines.iter().map(|e| e.admin).collect();
+    let stores = read_stores(&pg_url, &admins, &answers)?;
     let breaches = audit::audit(&answers, &stores);
     let verdict = Verdict {
         seed: plan.seed,
@@ -233,7 +234,7 @@ fn settle(market: &Market, answers: &mut Vec<Answer>) {
 
 /// PostgreSQL's view of the SKU once every promise has settled there (or the bound passed),
 /// with its audit, and the engine's reconcile report once ok (or its last text).
-fn read_stores(pg_url: &str, admin: SocketAddr, answers: &[Answer]) -> anyhow::Result<Stores> {
+fn read_stores(pg_url: &str, admins: &[SocketAddr], answers: &[Answer]) -> anyhow::Result<Stores> {
     let promised: Vec<&str> = answers
         .iter()
         .filter(|a| a.kind == AnswerKind::Submit && a.state.starts_with("QUEUED"))
@@ -252,7 +253,7 @@ fn read_stores(pg_url: &str, admin: SocketAddr, answers: &[Answer]) -> anyhow::R
         }
         std::thread::sleep(Duration::from_millis(500));
     };
-    stores.reconcile_problem = wait_reconciled(admin);
+    stores.reconcile_problem = wait_reconciled(admins);
     Ok(stores)
 }
 
@@ -278,11 +279,13 @@ async fn read_pg(url: &str) -> anyhow::Result<Stores> {
     Ok(stores)
 }
 
-/// `None` once the reconcile report is ok (within 60 s); else its last text.
-fn wait_reconciled(admin: SocketAddr) -> Option<String> {
+/// `None` once the reconcile report is ok (within 60 s); else its last text. Asked of each
+/// instance in turn: one that did not come back must not read as a breach (campaign seed 16).
+fn wait_reconciled(admins: &[SocketAddr]) -> Option<String> {
     let path = format!("/admin/v1/activities/{}/skus/{}/reconcile", SKU.0, SKU.1);
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    for turn in 0.. {
+        let admin = admins[turn % admins.len()];
         let r = http::request(admin, ("GET", &path), None, None, Duration::from_secs(30));
         let last = match r {
             Ok(r) if r.body["ok"] == true => return None,
@@ -294,6 +297,7 @@ fn wait_reconciled(admin: SocketAddr) -> Option<String> {
         }
         std::thread::sleep(Duration::from_millis(500));
     }
+    unreachable!("the loop returns")
 }
 
 /// Per round: when refusals began, and the longest stretch without a QUEUED answer that
