@@ -50,6 +50,36 @@ enum Command {
     },
     /// Control-plane calls against a running engine's admin listener (reconcile, activities).
     Admin(flashsale_engine::app::admin_cli::AdminArgs),
+    /// A sale on the ha topology under a seeded fault schedule (kill, freeze, restart,
+    /// partition, sometimes two at once) with an auditor: prints the schedule and the
+    /// verdict; exit 0 when no invariant broke, 1 on any breach.
+    Chaos(ChaosArgs),
+}
+
+#[derive(Args)]
+struct ChaosArgs {
+    /// The seed: the same one gives the same fault schedule.
+    #[arg(long)]
+    seed: u64,
+    /// How long the sale runs (faults stop 5 s before the end).
+    #[arg(long, default_value_t = 60)]
+    duration_s: u64,
+    /// Where the run's private servers keep their data (emptied first).
+    #[arg(long, default_value = "/var/tmp/flashsale-chaos")]
+    dir: PathBuf,
+    /// The verdict as JSON (schedule, events, figures per round, answers, breaches).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Only `ha` (three nodes of every store).
+    #[arg(long, default_value = "ha")]
+    topology: String,
+    /// Test only: switch one protection off in the instances (`scanner-off`), to show that
+    /// the auditor sees a loss.
+    #[arg(long, hide = true)]
+    negative_control: Option<String>,
+    /// Print the seed's schedule and stop (nothing is started).
+    #[arg(long)]
+    schedule_only: bool,
 }
 
 #[derive(Args)]
@@ -231,6 +261,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Serve(args) => serve(args),
         Command::Demo(args) => demo(args),
+        Command::Chaos(args) => chaos(args),
         Command::Worker(args) => worker(args),
         Command::Loadgen { args } => {
             let status = std::process::Command::new(sibling_binary("flashsale-loadgen")?)
@@ -267,6 +298,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use flashsale_engine::app::serve::{self, Pinning, ServeConfig};
 
     fail_closed_on_panic();
+    negative_control_switch();
 
     let overrides = Overrides {
         redis_url: args.redis_url,
@@ -425,6 +457,55 @@ fn demo(args: DemoArgs) -> anyhow::Result<()> {
         engine: std::env::current_exe().context("the flashsale binary's path")?,
     };
     demo::run(&plan)
+}
+
+/// `FLASHSALE_TEST_FAILPOINT=<name>`: one negative-control failpoint switched on (`return`)
+/// for this process — `flashsale chaos --negative-control` sets it on its instances. Only
+/// in builds with the `failpoints` feature (the workspace's test builds); never in a release.
+#[cfg(feature = "failpoints")]
+fn negative_control_switch() {
+    if let Ok(name) = std::env::var("FLASHSALE_TEST_FAILPOINT") {
+        match fail::cfg(&name, "return") {
+            Ok(()) => tracing::warn!(failpoint = %name, "negative control: a protection is OFF"),
+            Err(e) => tracing::error!(failpoint = %name, error = %e, "negative control refused"),
+        }
+    }
+}
+
+#[cfg(not(feature = "failpoints"))]
+fn negative_control_switch() {}
+
+/// `flashsale chaos`: `app::chaos` does every step; exit 1 on any breach.
+fn chaos(args: ChaosArgs) -> anyhow::Result<()> {
+    use flashsale_engine::app::chaos::{self, ChaosPlan};
+    anyhow::ensure!(args.topology == "ha", "flashsale chaos runs on --topology ha only");
+    if args.schedule_only {
+        let bounds = chaos::schedule::Bounds::default();
+        let schedule =
+            chaos::schedule::Schedule::from_seed(args.seed, args.duration_s * 1_000, &bounds);
+        print!("{}", schedule.render());
+        return Ok(());
+    }
+    let negative_control =
+        args.negative_control.as_deref().map(chaos::NegativeControl::parse).transpose();
+    let negative_control = negative_control.map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(
+        negative_control.is_none() || cfg!(feature = "failpoints"),
+        "--negative-control needs a build with the failpoints feature (a workspace test build)"
+    );
+    let plan = ChaosPlan {
+        negative_control,
+        seed: args.seed,
+        duration_s: args.duration_s,
+        dir: args.dir,
+        json: args.json,
+        engine: std::env::current_exe().context("the flashsale binary's path")?,
+    };
+    let verdict = chaos::run(&plan)?;
+    if !verdict.breaches.is_empty() {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 /// `flashsale worker`: the durable pipeline alone, scaled separately from the edge.

@@ -118,6 +118,36 @@ impl SharedCluster {
         crate::assert_gone("Redis node", node.server.pid);
     }
 
+    /// SIGSTOP of the node at `addr` (a hung host: connections are accepted by the kernel,
+    /// nothing answers); [`SharedCluster::thaw`] resumes it. Returns once it is stopped.
+    pub fn freeze(&self, addr: SocketAddr) {
+        self.signal(addr, "-STOP", |state| state == 'T');
+    }
+
+    /// SIGCONT of the node at `addr`; returns once it runs again.
+    pub fn thaw(&self, addr: SocketAddr) {
+        self.signal(addr, "-CONT", |state| state != 'T');
+    }
+
+    fn signal(&self, addr: SocketAddr, signal: &str, want: impl Fn(char) -> bool) {
+        let pid = {
+            let cluster = self.cluster();
+            let node = cluster.nodes.iter().find(|n| n.addr() == addr).expect("a node of ours");
+            node.server.check().unwrap_or_else(|e| panic!("kill {signal} of {addr}: {e}"));
+            node.server.pid
+        };
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid}");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !flashsale_engine::app::stack::process_state(pid).is_some_and(&want) {
+            assert!(Instant::now() < deadline, "Redis node {addr}: no state change on {signal}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Cuts the replication link of `master` and keeps it cut: a password on the master
     /// (existing client connections stay authenticated; the replica's reconnect is refused
     /// with NOAUTH), then the replica's connection killed. SIGSTOP of the replica alone is not

@@ -5,6 +5,7 @@
 
 pub mod admin_cli;
 pub mod backup;
+pub mod chaos;
 pub mod config;
 pub mod cpu;
 pub mod demo;

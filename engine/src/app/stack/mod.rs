@@ -50,5 +50,8 @@ pub(crate) use process::signal_process;
 pub use redis_cluster::{call as redis_call, ClusterNode, RedisCluster, MASTER_COUNT, NODE_COUNT};
 pub use server::{free_port, Server};
 pub use standalone::{ensure, up, up_archiving};
-pub use topology::{archive_dir, down, running_servers, up_with, up_with_archiving, Topology};
+pub use topology::{
+    archive_dir, down, running_servers, up_with, up_with_archiving, Topology, NATS_CLUSTER_DIR,
+    PG_STANDBYS_DIR, REDIS_CLUSTER_DIR,
+};
 pub use wal_archive::WalArchiving;

@@ -204,7 +204,7 @@ impl PgStandbys {
         let mut command = Command::new(find_binary(Kind::Postgres, "pg_basebackup")?);
         command
             .args(["-h", "127.0.0.1", "-p", &self.nodes[primary].port.to_string()])
-            .args(["-U", "postgres", "-X", "stream", "-R", "--no-sync", "-D"])
+            .args(["-U", "postgres", "-X", "stream", "-R", "--no-sync", "--checkpoint=fast", "-D"])
             .arg(node.data());
         as_postgres_user(&mut command)?;
         let output = command.output().map_err(io_err("run pg_basebackup"))?;
@@ -398,6 +398,35 @@ impl PgStandbys {
         };
         self.nodes[index].server = Some(server);
         Ok(())
+    }
+
+    /// Starts node `index` again on its port as it was (after [`PgStandbys::kill`]): a
+    /// standby comes back a standby, a primary comes back writable after crash recovery.
+    pub fn restart(&mut self, index: usize) -> Result<(), StackError> {
+        self.stop(index)?;
+        let port = self.nodes[index].port;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let server = loop {
+            match Server::start(Kind::Postgres, &self.nodes[index].dir, Some(port)) {
+                Ok(server) => break server,
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        self.nodes[index].server = Some(server);
+        Ok(())
+    }
+
+    /// Node `index` (an old primary, stopped or not) rebuilt as a standby of `primary`: its
+    /// data replaced by a `pg_basebackup` of the new primary, started on its port, streaming.
+    /// What a failover manager does with a fenced old primary (`tuning/postgresql-ha.md`).
+    pub fn rejoin(&mut self, index: usize, primary: usize) -> Result<(), StackError> {
+        self.stop(index)?;
+        let data = self.nodes[index].data();
+        fs::remove_dir_all(&data).map_err(io_err(format!("remove {}", data.display())))?;
+        self.base_backup(index, primary)?;
+        self.restart(index)?;
+        self.wait_streaming(primary, &[index])
     }
 
     /// Stops every node (frozen ones are thawed first).

@@ -29,9 +29,9 @@ use super::standalone::{self, ensure_archiving, ensure_locked};
 use super::wal_archive::{WalArchiving, ARCHIVE_DIR_NAME};
 
 /// Where the multi-node servers live under a stack directory.
-const REDIS_CLUSTER_DIR: &str = "redis-cluster";
-const NATS_CLUSTER_DIR: &str = "nats-cluster";
-const PG_STANDBYS_DIR: &str = "pg-standbys";
+pub const REDIS_CLUSTER_DIR: &str = "redis-cluster";
+pub const NATS_CLUSTER_DIR: &str = "nats-cluster";
+pub const PG_STANDBYS_DIR: &str = "pg-standbys";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Topology {
