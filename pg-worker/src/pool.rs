@@ -25,12 +25,12 @@
 //!   the mid-sale drill in `tests/tests/ha_pg.rs`: an idle pool went back to the old primary
 //!   as its last good host once it was writable again, and the worker kept reconnecting to a
 //!   frozen-then-resumed old primary whose COMMITs wait forever for the synchronous standby
-//!   that had been promoted away). When a connector
-//!   learns a higher timeline it closes the connections behind it (the pool then discards
-//!   them as closed), so a connection opened before the failover cannot keep writing to the
-//!   old primary. What is learned is shared by every multi-host connector of the process on
-//!   the same hosts (health ping, edge pool, worker pool), and a caller whose statement
-//!   outlasted its deadline makes the connector survey at once ([`Connector::suspect`]). The timeline is read as the first 8 hex digits of
+//!   that had been promoted away). When a connector learns a higher timeline it closes the
+//!   connections behind it (the pool then discards them as closed), so a connection opened
+//!   before the failover cannot keep writing to the old primary. What is learned is shared by
+//!   every multi-host connector of the process on the same hosts (health ping, edge pool,
+//!   worker pool), and a caller whose statement outlasted its deadline makes the connector
+//!   survey at once ([`Connector::suspect`]). The timeline is read as the first 8 hex digits of
 //!   `pg_walfile_name(pg_current_wal_lsn())`: the WAL being written now, on the new
 //!   timeline from the moment of promotion (`pg_control_checkpoint().timeline_id` moves only
 //!   with the next checkpoint).

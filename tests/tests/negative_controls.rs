@@ -407,11 +407,15 @@ fn compensate_twice(engine: &Engine, a: u64, s: u64, first_event_id: i64) -> (i6
     let counted_before = metric(&engine.metrics(), "flashsale_compensations_total");
     let message = engine.order_create_of(a, s, &resv, 1, "d-1");
     let event = ReservationEvent::rejected(&message, RejectReason::Expired, 0);
-    engine.publish_event(first_event_id, &event);
-    engine.publish_event(first_event_id + 1, &event);
-    // redis-sync acks an event only after the shard applied it: both applied when its
-    // consumer has nothing pending or unacknowledged.
-    wait_for_ms("both events applied", 10_000, || events_left(engine) == 0);
+    // One after the other, each applied before the next is sent (redis-sync acks an event
+    // only after the shard applied it: applied when its consumer has nothing pending or
+    // unacknowledged). Two in one fetch run their compensations concurrently, and the switch's
+    // DEL of the marker then reaches Redis before both calls, not before each: the second
+    // would find the first's marker and the control would pass or fail with the timing.
+    for event_id in [first_event_id, first_event_id + 1] {
+        engine.publish_event(event_id, &event);
+        wait_for_ms("the event applied", 10_000, || events_left(engine) == 0);
+    }
     let (_, v) = engine.query(&mut c, 1, a, s, "d-1");
     assert_eq!((state(&v), v["reason_code"].as_str()), ("FAILED", Some("EXPIRED")), "{v}");
     let stock: i64 =

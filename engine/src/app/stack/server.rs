@@ -361,8 +361,48 @@ fn probe(kind: Kind, addr: SocketAddr) -> Result<(), std::io::Error> {
     }
 }
 
+/// The log's last 5 lines, after the server's own first FATAL or PANIC when that is earlier
+/// (the cause: e.g. a recovery that ended before its target, which the lines of the shutdown
+/// that follows, and the answers to clients polling meanwhile, push out of the tail).
 fn log_tail(path: &Path) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().rev().take(5).collect();
-    lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    let all: Vec<&str> = text.lines().collect();
+    let tail = &all[all.len().saturating_sub(5)..];
+    // "the database system is starting up / in recovery mode / shutting down": answers to
+    // clients, not the server's own failure.
+    let cause = all[..all.len() - tail.len()].iter().find(|line| {
+        (line.contains("FATAL:") || line.contains("PANIC:"))
+            && !line.contains("the database system is")
+    });
+    cause.into_iter().chain(tail).copied().collect::<Vec<_>>().join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A recovery that stopped short: its FATAL is early, the shutdown's lines and the answers
+    /// to polling clients come after it; the tail keeps the cause.
+    #[test]
+    fn the_log_tail_keeps_the_servers_first_fatal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("server.log");
+        let lines = [
+            "LOG:  starting PostgreSQL",
+            "FATAL:  the database system is starting up",
+            "FATAL:  recovery ended before configured recovery target was reached",
+            "LOG:  startup process (PID 9) exited with exit code 1",
+            "LOG:  terminating any other active server processes",
+            "FATAL:  the database system is in recovery mode",
+            "LOG:  shutting down due to startup process failure",
+            "LOG:  database system is shut down",
+        ];
+        fs::write(&path, lines.join("\n")).unwrap();
+        let tail = log_tail(&path);
+        assert!(tail.starts_with("FATAL:  recovery ended before"), "{tail}");
+        assert!(tail.ends_with("database system is shut down"), "{tail}");
+        assert_eq!(tail.matches(" | ").count(), 5, "the cause and the last five lines: {tail}");
+        fs::write(&path, lines[3..].join("\n")).unwrap();
+        assert!(log_tail(&path).starts_with("LOG:  startup process"), "no cause: the tail only");
+    }
 }
