@@ -38,8 +38,9 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Duration;
 
+use flashsale_benches::loadgen::search::median;
 use flashsale_benches::pg::{
-    connect, fresh_database, load_average, median, order_create, Running, SkuSpec, ACTIVITY, SKU,
+    connect, fresh_database, load_average, order_create, Running, SkuSpec, ACTIVITY, SKU,
 };
 use flashsale_benches::{preheat_args, reserve_one, with_client, BenchRedis};
 use flashsale_engine::app::cpu::{postgres_ticks, process_ticks, US_PER_TICK};
@@ -134,7 +135,7 @@ fn main() {
 }
 
 fn med(rounds: &[Round], f: impl Fn(&Round) -> f64) -> f64 {
-    median(&mut rounds.iter().map(f).collect::<Vec<_>>())
+    median(rounds.iter().map(f).collect())
 }
 
 /// The floors table, and the demo's per-unit figures as ratios to them.

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use flashsale_benches::loadgen::search::median;
 use flashsale_benches::{preheat_args, reserve_one, with_client, BenchRedis, T0};
 use flashsale_engine::app::cpu::{process_ticks, self_ticks, US_PER_TICK};
 use flashsale_io::redis::script::{Functions, MarkSent, MarkSentArgs, MarkSentReply, SkuKeys};
@@ -135,9 +136,4 @@ async fn mark(functions: &Functions, keys: &SkuKeys, ns: Vec<u64>) {
     let args = MarkSentArgs { marks: &marks, now_ms: T0 + 20, order_deadline_ms: 60_000 };
     let replies = functions.mark_sent(keys, &args).await.expect("mark_sent");
     assert!(replies.iter().all(|r| *r == MarkSentReply::Ok), "{replies:?}");
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }

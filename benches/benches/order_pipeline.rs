@@ -44,9 +44,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use flashsale_benches::loadgen::search::median;
 use flashsale_benches::pg::{
-    connect, db_url, fresh_database, load_average, median, order_create, Running, SkuSpec,
-    ACTIVITY, SKU,
+    connect, db_url, fresh_database, load_average, order_create, Running, SkuSpec, ACTIVITY, SKU,
 };
 use flashsale_engine::app::cpu::{postgres_ticks, self_ticks, TICKS_PER_S};
 use flashsale_engine::app::stack::{Kind, Server};
@@ -269,9 +269,9 @@ fn report(specs: &[Spec], samples: &mut [Vec<Sample>], orders: i64) {
     let medians: Vec<(f64, f64)> = samples
         .iter()
         .map(|case| {
-            let mut seconds: Vec<f64> = case.iter().map(|s| s.seconds).collect();
-            let mut cpu: Vec<f64> = case.iter().map(|s| s.pg_cpu_s).collect();
-            (median(&mut seconds), median(&mut cpu))
+            let seconds: Vec<f64> = case.iter().map(|s| s.seconds).collect();
+            let cpu: Vec<f64> = case.iter().map(|s| s.pg_cpu_s).collect();
+            (median(seconds), median(cpu))
         })
         .collect();
     let (base_s, base_cpu) = medians[0];

@@ -387,17 +387,7 @@ impl PgStandbys {
         if sync == SyncStandbys::Cleared {
             append(&data.join("postgresql.auto.conf"), "synchronous_standby_names = ''\n")?;
         }
-        let port = self.nodes[index].port;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let server = loop {
-            match Server::start(Kind::Postgres, &self.nodes[index].dir, Some(port)) {
-                Ok(server) => break server,
-                Err(e) if Instant::now() > deadline => return Err(e),
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
-            }
-        };
-        self.nodes[index].server = Some(server);
-        Ok(())
+        self.restart(index)
     }
 
     /// Starts node `index` again on its port as it was (after [`PgStandbys::kill`]): a
