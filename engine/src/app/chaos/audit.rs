@@ -17,6 +17,10 @@
 //! - `payment`: every accepted `PAID` callback's order is PAID in PostgreSQL (or recorded
 //!   REFUND_NEEDED), and no order is PAID that no callback was sent for (one whose answer
 //!   was lost may have taken effect).
+//! - `cancel`: every order whose cancel was answered `CANCELLED` is CANCELLED in PostgreSQL
+//!   (never PAID: a payment after it is recorded for a refund), and every one answered
+//!   `NOT_CANCELLABLE` is not. A query may answer `FAILED ORDER_CANCELLED` for a request whose
+//!   order was cancelled or closed: that is no contradiction.
 //!
 //! What it is not: the generator or the reading of the stores (`mod.rs`).
 
@@ -47,6 +51,8 @@ pub enum AnswerKind {
     Query,
     /// A PAID callback for `order_id`.
     Pay,
+    /// The buyer's cancel of `order_id`.
+    Cancel,
 }
 
 /// What the stores hold at the end, as far as the rules need.
@@ -56,7 +62,7 @@ pub struct Stores {
     pub reservations: BTreeMap<String, (String, String)>,
     /// request id → (order id, status) of the orders of the SKU.
     pub orders: BTreeMap<String, (String, String)>,
-    /// Order ids with a payment recorded PAID or REFUND_NEEDED.
+    /// Order ids with a PAID callback recorded (outcome PAID or REFUND_NEEDED).
     pub paid_orders: BTreeSet<String>,
     /// Problems PostgreSQL's audit reported (empty: ok).
     pub audit_problems: Vec<String>,
@@ -86,6 +92,7 @@ pub fn audit(answers: &[Answer], stores: &Stores) -> Vec<Breach> {
     one_reservation_per_id(answers, &mut breaches);
     contradictions(answers, stores, &mut breaches);
     payments(answers, stores, &mut breaches);
+    cancels(answers, stores, &mut breaches);
     breaches
 }
 
@@ -135,9 +142,13 @@ fn one_reservation_per_id(answers: &[Answer], out: &mut Vec<Breach>) {
 }
 
 fn contradictions(answers: &[Answer], stores: &Stores, out: &mut Vec<Breach>) {
-    for a in answers.iter().filter(|a| a.kind != AnswerKind::Pay) {
-        let Some((order, _)) = stores.orders.get(&a.request_id) else { continue };
+    let asked = |a: &&Answer| matches!(a.kind, AnswerKind::Submit | AnswerKind::Query);
+    for a in answers.iter().filter(asked) {
+        let Some((order, status)) = stores.orders.get(&a.request_id) else { continue };
+        let released = matches!(status.as_str(), "CANCELLED" | "CLOSED")
+            && a.reason.as_deref() == Some("ORDER_CANCELLED");
         let final_without = matches!(a.state.as_str(), "FAILED" | "NOT_FOUND" | "SOLD_OUT");
+        let final_without = final_without && !(a.state == "FAILED" && released);
         let other_order = a.order_id.as_ref().is_some_and(|o| o != order);
         if final_without || other_order {
             out.push(Breach {
@@ -178,6 +189,30 @@ fn payments(answers: &[Answer], stores: &Stores, out: &mut Vec<Breach>) {
             rule: "payment",
             detail: format!("order {order} is PAID, and no callback was sent for it"),
         });
+    }
+}
+
+fn cancels(answers: &[Answer], stores: &Stores, out: &mut Vec<Breach>) {
+    let status_of = |order: &str| {
+        stores.orders.values().find(|(o, _)| o == order).map_or("none", |(_, s)| s.as_str())
+    };
+    for a in answers.iter().filter(|a| a.kind == AnswerKind::Cancel) {
+        let Some(order) = a.order_id.as_deref() else { continue };
+        let status = status_of(order);
+        let wrong = match a.state.as_str() {
+            "CANCELLED" => status != "CANCELLED",
+            "NOT_CANCELLABLE" => status == "CANCELLED",
+            _ => false,
+        };
+        if wrong {
+            out.push(Breach {
+                rule: "cancel",
+                detail: format!(
+                    "user {} request {} order {order}: cancel answered {} at +{} ms, order is {status}",
+                    a.user, a.request_id, a.state, a.at_ms
+                ),
+            });
+        }
     }
 }
 
@@ -248,6 +283,32 @@ mod tests {
         let (mut answers, stores) = clean();
         answers.push(answer(AnswerKind::Query, "r1", "FAILED", None));
         assert_eq!(rules(&audit(&answers, &stores)), vec!["contradiction"]);
+    }
+
+    #[test]
+    fn cancels_must_agree_with_the_order_and_a_cancelled_order_may_query_failed() {
+        let (mut answers, mut stores) = clean();
+        stores.orders.insert("r1".into(), ("ord_1".into(), "CANCELLED".into()));
+        answers.retain(|a| a.kind != AnswerKind::Pay);
+        let cancel = Answer {
+            order_id: Some("ord_1".into()),
+            ..answer(AnswerKind::Cancel, "r1", "CANCELLED", None)
+        };
+        answers.push(cancel.clone());
+        let cancelled = Answer {
+            reason: Some("ORDER_CANCELLED".into()),
+            ..answer(AnswerKind::Query, "r1", "FAILED", None)
+        };
+        answers.push(cancelled.clone());
+        assert_eq!(audit(&answers, &stores), vec![]);
+        // The same answers against an order that stayed payable: both are breaches.
+        stores.orders.insert("r1".into(), ("ord_1".into(), "PENDING_PAYMENT".into()));
+        assert_eq!(rules(&audit(&answers, &stores)), vec!["contradiction", "cancel"]);
+        // NOT_CANCELLABLE for an order that was cancelled after all.
+        stores.orders.insert("r1".into(), ("ord_1".into(), "CANCELLED".into()));
+        answers.retain(|a| a.kind != AnswerKind::Cancel);
+        answers.push(Answer { state: "NOT_CANCELLABLE".into(), ..cancel });
+        assert_eq!(rules(&audit(&answers, &stores)), vec!["cancel"]);
     }
 
     #[test]

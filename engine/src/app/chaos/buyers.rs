@@ -1,8 +1,10 @@
 //! The soak's buyers: threads through the balancer, each buyer a new user with the mix of a
 //! real sale — duplicate clicks (the same request sent twice at once), same-id retries of
 //! every answer that leaves the outcome open (`UNKNOWN`, `SUBMIT_CLOSED`, `SYSTEM_BUSY`,
-//! `OVERLOADED`, a broken connection) after the answer's `Retry-After`, queries of their own
-//! request, and PAID callbacks for the orders they see. Every answer is recorded for the
+//! `OVERLOADED`, a broken connection) after the answer's `Retry-After`, buyers who give up
+//! waiting (a client timeout of 30–400 ms, then the same id again), queries of their own
+//! request, and for the orders they see PAID callbacks, cancels, and cancels followed by a
+//! late payment (which must be recorded for a refund). Every answer is recorded for the
 //! auditor ([`super::audit::Answer`]); the choices come from the seed (the timing does not:
 //! it is a real run).
 //!
@@ -29,6 +31,9 @@ const ATTEMPTS_MAX: u32 = 6;
 /// Longest Retry-After honoured (a longer one is cut: the run is short).
 const RETRY_AFTER_MAX_MS: u64 = 2_000;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// The share of submits sent by an impatient buyer, who waits [`IMPATIENT_MS`] at most.
+const IMPATIENT_PERCENT: u64 = 10;
+const IMPATIENT_MS: (u64, u64) = (30, 400);
 
 /// What the buyers need.
 #[derive(Clone)]
@@ -86,41 +91,66 @@ fn one_buyer(market: &Market, rng: &mut SplitMix64, user: u64, out: &mut Vec<Ans
     let id = format!("c{}-{user}", market.seed);
     if rng.chance(15) {
         let (m, i) = (market.clone(), id.clone());
-        let twin = std::thread::spawn(move || submit(&m, user, &i));
-        out.extend(submit(market, user, &id));
-        out.extend(twin.join().ok().flatten());
+        let twin = std::thread::spawn(move || submit(&m, user, &i, REQUEST_TIMEOUT));
+        out.push(submit(market, user, &id, REQUEST_TIMEOUT));
+        out.extend(twin.join().ok());
     }
-    let mut last = submit(market, user, &id);
+    let mut last = submit(market, user, &id, patience(rng));
     for _ in 1..ATTEMPTS_MAX {
-        let open = last.as_ref().is_none_or(|a| is_open(&a.state));
-        if !open {
+        if !is_open(&last.state) {
             break;
         }
-        let retry_ms = retry_after(last.as_ref()).min(RETRY_AFTER_MAX_MS);
-        out.extend(last.take());
+        let retry_ms = last.retry_after_ms.unwrap_or(250).min(RETRY_AFTER_MAX_MS);
+        let answer = std::mem::replace(&mut last, submit(market, user, &id, patience(rng)));
         std::thread::sleep(Duration::from_millis(retry_ms.max(50)));
-        last = submit(market, user, &id);
+        out.push(answer);
     }
-    let promised = last.as_ref().is_some_and(|a| a.state.starts_with("QUEUED"));
-    out.extend(last);
+    let promised = last.state.starts_with("QUEUED");
+    out.push(last);
     if promised && rng.chance(40) {
         std::thread::sleep(Duration::from_millis(rng.between(200, 1_500)));
-        if let Some(q) = query(market, user, &id) {
-            let order = q.order_id.clone().filter(|_| q.state == "SUCCEEDED");
-            out.push(q);
-            if let Some(order) = order.filter(|_| rng.chance(50)) {
-                out.extend(pay(market, user, &id, &order));
-            }
+        let q = query(market, user, &id);
+        let order = q.order_id.clone().filter(|_| q.state == "SUCCEEDED");
+        out.push(q);
+        if let Some(order) = order {
+            after_order(market, rng, (user, &id, &order), out);
         }
+    }
+}
+
+/// What a buyer with an order does: pays (45 %), cancels (20 %), cancels and pays anyway
+/// (10 %: the payment must be recorded for a refund), or nothing (the order closes unpaid).
+fn after_order(
+    market: &Market,
+    rng: &mut SplitMix64,
+    ids: (u64, &str, &str),
+    out: &mut Vec<Answer>,
+) {
+    let choice = rng.between(0, 99);
+    if (45..75).contains(&choice) {
+        let mut answer = cancel(market, ids);
+        if is_open(&answer.state) {
+            std::thread::sleep(Duration::from_millis(500));
+            out.push(std::mem::replace(&mut answer, cancel(market, ids)));
+        }
+        out.push(answer);
+    }
+    if choice < 45 || (65..75).contains(&choice) {
+        out.push(pay(market, ids));
+    }
+}
+
+/// How long this submit waits for its answer: mostly the whole request timeout.
+fn patience(rng: &mut SplitMix64) -> Duration {
+    if rng.chance(IMPATIENT_PERCENT) {
+        Duration::from_millis(rng.between(IMPATIENT_MS.0, IMPATIENT_MS.1))
+    } else {
+        REQUEST_TIMEOUT
     }
 }
 
 fn is_open(state: &str) -> bool {
     matches!(state, "UNKNOWN" | "SUBMIT_CLOSED" | "SYSTEM_BUSY" | "OVERLOADED" | "")
-}
-
-fn retry_after(answer: Option<&Answer>) -> u64 {
-    answer.and_then(|a| a.retry_after_ms).unwrap_or(250)
 }
 
 fn pass(market: &Market, user: u64) -> String {
@@ -133,11 +163,11 @@ fn pass(market: &Market, user: u64) -> String {
 }
 
 /// One same-id retry after the sale (the settling of open outcomes).
-pub fn retry(market: &Market, user: u64, id: &str) -> Option<Answer> {
-    submit(market, user, id)
+pub fn retry(market: &Market, user: u64, id: &str) -> Answer {
+    submit(market, user, id, REQUEST_TIMEOUT)
 }
 
-fn submit(market: &Market, user: u64, id: &str) -> Option<Answer> {
+fn submit(market: &Market, user: u64, id: &str, timeout: Duration) -> Answer {
     let (a, s) = market.sku;
     let body = format!(r#"{{"activity_id":{a},"sku_id":{s},"request_id":"{id}","quantity":1}}"#);
     let pass = pass(market, user);
@@ -146,20 +176,29 @@ fn submit(market: &Market, user: u64, id: &str) -> Option<Answer> {
         ("POST", "/v1/reservations"),
         Some(&pass),
         Some(&body),
-        REQUEST_TIMEOUT,
+        timeout,
     );
-    Some(record(market, AnswerKind::Submit, (user, id), r.ok()))
+    record(market, AnswerKind::Submit, (user, id), r.ok())
 }
 
-fn query(market: &Market, user: u64, id: &str) -> Option<Answer> {
+fn query(market: &Market, user: u64, id: &str) -> Answer {
     let (a, s) = market.sku;
     let path = format!("/v1/reservations/{id}?activity_id={a}&sku_id={s}");
     let pass = pass(market, user);
     let r = http::request(market.target, ("GET", &path), Some(&pass), None, REQUEST_TIMEOUT);
-    Some(record(market, AnswerKind::Query, (user, id), r.ok()))
+    record(market, AnswerKind::Query, (user, id), r.ok())
 }
 
-fn pay(market: &Market, user: u64, id: &str, order: &str) -> Option<Answer> {
+fn cancel(market: &Market, (user, id, order): (u64, &str, &str)) -> Answer {
+    let path = format!("/v1/orders/{order}/cancel?activity_id={}", market.sku.0);
+    let pass = pass(market, user);
+    let r = http::request(market.target, ("POST", &path), Some(&pass), None, REQUEST_TIMEOUT);
+    let mut answer = record(market, AnswerKind::Cancel, (user, id), r.ok());
+    answer.order_id = Some(order.to_owned());
+    answer
+}
+
+fn pay(market: &Market, (user, id, order): (u64, &str, &str)) -> Answer {
     let payment = format!("pay-{order}");
     let sig = Signed { payment_id: &payment, order_id: order, status: "PAID", amount_cents: 100 }
         .sign(&market.payment_key);
@@ -175,7 +214,7 @@ fn pay(market: &Market, user: u64, id: &str, order: &str) -> Option<Answer> {
     );
     let mut answer = record(market, AnswerKind::Pay, (user, id), r.ok());
     answer.order_id = Some(order.to_owned());
-    Some(answer)
+    answer
 }
 
 /// The answer as the auditor reads it; a broken connection is state `""` (outcome open).

@@ -8,7 +8,9 @@
 //!   re-pointed at it, `synchronous_standby_names` naming every node; at the heal the old
 //!   primary is rebuilt as a standby of the new one), engine instance (restarted);
 //! - freeze: SIGSTOP, SIGCONT at the heal (PostgreSQL: the postmaster and its backends);
-//! - partition: the node's proxy stalls everything (PostgreSQL only, see `schedule.rs`).
+//! - partition: the node's proxy stalls every connection of the engines' to it (the node
+//!   stays in its cluster: Redis' bus, NATS' routes and PostgreSQL's replication do not go
+//!   through the proxies; see `schedule.rs`).
 //!
 //! What it is not: the schedule (`schedule.rs`) or the judgement (`audit.rs`).
 
@@ -29,9 +31,23 @@ pub struct Targets {
     pub redis: RedisCluster,
     pub nats: NatsCluster,
     pub pg: PgStandbys,
-    /// One per PostgreSQL node, in node order.
-    pub proxies: Vec<Proxy>,
+    /// The proxies in front of each node, in node order.
+    pub proxies: Proxies,
     pub engines: Vec<Instance>,
+}
+
+/// What fronts each node for the engines: the addresses they are given (PostgreSQL's URL) or
+/// that the nodes announce (Redis' slot map, NATS' `connect_urls`) are these.
+pub struct Proxies {
+    pub redis: Vec<Proxy>,
+    pub nats: Vec<Proxy>,
+    pub pg: Vec<Proxy>,
+}
+
+impl Proxies {
+    fn all(&self) -> impl Iterator<Item = &Proxy> {
+        self.redis.iter().chain(&self.nats).chain(&self.pg)
+    }
 }
 
 /// One thing the nemesis did, for the report.
@@ -164,7 +180,7 @@ fn heal(t: &mut Targets, held: Held) -> anyhow::Result<()> {
         Held::PgFrozen(i) => Ok(t.pg.thaw(i)?),
         Held::PgKilled(i) => Ok(t.pg.restart(i)?),
         Held::PgPartitioned(i) => {
-            t.proxies[i].heal();
+            t.proxies.pg[i].heal();
             Ok(())
         }
         Held::PgFailedOver { old, new } => Ok(t.pg.rejoin(old, new)?),
@@ -176,7 +192,8 @@ fn redis_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Result
     let node = &t.redis.nodes[index];
     match action {
         Action::Kill => node.server.kill()?,
-        _ => signal_process(node.server.pid, libc::SIGSTOP),
+        Action::Freeze => signal_process(node.server.pid, libc::SIGSTOP),
+        Action::Partition => t.proxies.redis[index].partition(),
     }
     Ok(())
 }
@@ -184,7 +201,8 @@ fn redis_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Result
 fn redis_heal(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<()> {
     match action {
         Action::Kill => t.redis.restart_node(index)?,
-        _ => signal_process(t.redis.nodes[index].server.pid, libc::SIGCONT),
+        Action::Freeze => signal_process(t.redis.nodes[index].server.pid, libc::SIGCONT),
+        Action::Partition => t.proxies.redis[index].heal(),
     }
     Ok(t.redis.wait_healthy(Duration::from_secs(60))?)
 }
@@ -192,10 +210,11 @@ fn redis_heal(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<(
 fn nats_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<Held> {
     match action {
         Action::Kill => t.nats.kill(index)?,
-        _ => {
+        Action::Freeze => {
             let pid = t.nats.nodes()[index].pid().ok_or_else(|| anyhow::anyhow!("not running"))?;
             signal_process(pid, libc::SIGSTOP);
         }
+        Action::Partition => t.proxies.nats[index].partition(),
     }
     Ok(Held::Nats(index, action))
 }
@@ -203,10 +222,11 @@ fn nats_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<
 fn nats_heal(t: &mut Targets, index: usize, action: Action) -> anyhow::Result<()> {
     match action {
         Action::Kill => t.nats.restart(index)?,
-        _ => {
+        Action::Freeze => {
             let pid = t.nats.nodes()[index].pid().ok_or_else(|| anyhow::anyhow!("not running"))?;
             signal_process(pid, libc::SIGCONT);
         }
+        Action::Partition => t.proxies.nats[index].heal(),
     }
     Ok(t.nats.wait_healthy(Duration::from_secs(60))?)
 }
@@ -244,7 +264,7 @@ fn pg_node_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Resu
             Ok(Held::PgFrozen(index))
         }
         Action::Partition => {
-            t.proxies[index].partition();
+            t.proxies.pg[index].partition();
             Ok(Held::PgPartitioned(index))
         }
     }
@@ -253,7 +273,7 @@ fn pg_node_inject(t: &mut Targets, index: usize, action: Action) -> anyhow::Resu
 /// Every node back: thawed, restarted where dead, proxies passing (after a run that stopped
 /// part-way).
 pub fn heal_all(t: &mut Targets) -> Result<(), StackError> {
-    for proxy in &t.proxies {
+    for proxy in t.proxies.all() {
         proxy.heal();
     }
     for engine in &t.engines {

@@ -1,7 +1,8 @@
 //! A fault-injecting TCP proxy of ours (issue 27: this kernel has no netem): `flashsale chaos`
-//! puts one in front of each PostgreSQL node and lists the proxies in the engines' multi-host
-//! URL, so the nemesis can partition a node from the engines while the node itself runs on
-//! (and keeps replicating: the standbys connect to the nodes directly).
+//! puts one in front of each Redis, NATS and PostgreSQL node (the engines are given the
+//! proxies' addresses, and the Redis and NATS nodes announce them), so the nemesis can
+//! partition a node from the engines while the node itself runs on in its cluster (Redis'
+//! bus, NATS' routes and PostgreSQL's standbys connect to the nodes directly).
 //!
 //! While [`Proxy::partition`] holds, new connections are accepted and then left silent (a
 //! peer behind a partition neither answers nor resets), and open ones stop relaying in both

@@ -1,5 +1,5 @@
 //! `flashsale chaos` end to end: the `ha` stack under `DIR` (from empty), a proxy in front of
-//! each PostgreSQL node, two engine instances behind HAProxy, one SKU on sale, the buyers,
+//! each Redis, NATS and PostgreSQL node, two engine instances behind HAProxy, one SKU on sale, the buyers,
 //! the nemesis on the seed's schedule; then every fault healed, the open outcomes settled
 //! (same-id retries), the stores read, and the auditor's verdict with the figures per round.
 //!
@@ -18,7 +18,7 @@ use super::audit::{self, Answer, AnswerKind, Breach, Stores};
 use super::buyers::{Buyers, Market};
 use super::http;
 use super::instances::{Instance, InstanceSpec};
-use super::nemesis::{self, Event, Targets};
+use super::nemesis::{self, Event, Proxies, Targets};
 use super::proxy::Proxy;
 use super::schedule::{Bounds, Schedule};
 use crate::app::stack::balancer::Balancer;
@@ -150,22 +150,33 @@ fn start(plan: &ChaosPlan) -> anyhow::Result<(Targets, String)> {
     if plan.dir.exists() {
         stack::down(&plan.dir, true)?;
     }
-    let env = stack::up_with(&plan.dir, Topology::Ha)?;
-    let (redis, _) = RedisCluster::ensure(&plan.dir.join(stack::REDIS_CLUSTER_DIR))?;
-    let nats = NatsCluster::up(&plan.dir.join(stack::NATS_CLUSTER_DIR))?;
+    stack::up_with(&plan.dir, Topology::Ha)?;
+    let (mut redis, _) = RedisCluster::ensure(&plan.dir.join(stack::REDIS_CLUSTER_DIR))?;
+    let mut nats = NatsCluster::up(&plan.dir.join(stack::NATS_CLUSTER_DIR))?;
     let pg = PgStandbys::up(&plan.dir.join(stack::PG_STANDBYS_DIR))?;
-    let targets_of = |n: &stack::pg_standbys::PgNode| SocketAddr::from(([127, 0, 0, 1], n.port));
-    let proxies =
-        pg.nodes().iter().map(|n| Proxy::start(targets_of(n))).collect::<Result<Vec<_>, _>>()?;
-    let hosts: Vec<String> = proxies.iter().map(|p| p.addr.to_string()).collect();
-    let pg_url =
-        format!("postgres://postgres@{}/postgres?target_session_attrs=read-write", hosts.join(","));
+    let local = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+    let proxies = Proxies {
+        redis: front(redis.nodes.iter().map(|n| n.addr()))?,
+        nats: front(nats.nodes().iter().map(|n| local(n.ports.client)))?,
+        pg: front(pg.nodes().iter().map(|n| local(n.port)))?,
+    };
+    // Redis and NATS clients go where the servers tell them: the servers name the proxies.
+    redis.announce_clients(&proxies.redis.iter().map(|p| p.addr.port()).collect::<Vec<_>>())?;
+    nats.advertise_clients(&proxies.nats.iter().map(|p| p.addr).collect::<Vec<_>>())?;
+    let addrs = |proxies: &[Proxy]| proxies.iter().map(|p| p.addr).collect::<Vec<_>>();
+    let redis_url = flashsale_io::redis::url::RedisUrl::render(&addrs(&proxies.redis));
+    let nats_url = addrs(&proxies.nats).iter().map(|a| format!("nats://{a}")).collect::<Vec<_>>();
+    let pg_hosts = addrs(&proxies.pg).iter().map(SocketAddr::to_string).collect::<Vec<_>>();
+    let pg_url = format!(
+        "postgres://postgres@{}/postgres?target_session_attrs=read-write",
+        pg_hosts.join(",")
+    );
     migrate(&pg_url)?;
     let spec = InstanceSpec {
         engine: &plan.engine,
         dir: &plan.dir,
-        redis_url: &env.redis_url,
-        nats_url: &env.nats_url,
+        redis_url: &redis_url,
+        nats_url: &nats_url.join(","),
         pg_url: &pg_url,
         payment_key_hex: PAYMENT_KEY_HEX,
         control_key_hex: CONTROL_KEY_HEX,
@@ -173,6 +184,11 @@ fn start(plan: &ChaosPlan) -> anyhow::Result<(Targets, String)> {
     };
     let engines = (0..2).map(|i| Instance::start(&spec, i)).collect::<anyhow::Result<Vec<_>>>()?;
     Ok((Targets { redis, nats, pg, proxies, engines }, pg_url))
+}
+
+/// A proxy in front of each address, in order.
+fn front(targets: impl Iterator<Item = SocketAddr>) -> std::io::Result<Vec<Proxy>> {
+    targets.map(Proxy::start).collect()
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -221,7 +237,7 @@ fn settle(market: &Market, answers: &mut Vec<Answer>) {
     let open = |s: &str| matches!(s, "UNKNOWN" | "");
     for ((user, id), _) in last.into_iter().filter(|(_, s)| open(s)) {
         while Instant::now() < deadline {
-            let Some(answer) = super::buyers::retry(market, user, &id) else { break };
+            let answer = super::buyers::retry(market, user, &id);
             let done = !open(&answer.state) && answer.state != "SYSTEM_BUSY";
             answers.push(answer);
             if done {
@@ -271,7 +287,9 @@ async fn read_pg(url: &str) -> anyhow::Result<Stores> {
     for row in client.query(sql, &[&a, &s]).await? {
         stores.orders.insert(row.get(0), (row.get(1), row.get(2)));
     }
-    for row in client.query("SELECT order_id FROM payment WHERE status = 'PAID'", &[]).await? {
+    let sql = "SELECT order_id FROM payment \
+               WHERE status = 'PAID' AND outcome IN ('PAID', 'REFUND_NEEDED')";
+    for row in client.query(sql, &[]).await? {
         stores.paid_orders.insert(row.get(0));
     }
     let report = flashsale_pg_worker::audit::check_invariants(&client, a, s).await?;
@@ -348,6 +366,7 @@ fn count_answers(answers: &[Answer]) -> BTreeMap<String, usize> {
             AnswerKind::Submit => "submit",
             AnswerKind::Query => "query",
             AnswerKind::Pay => "pay",
+            AnswerKind::Cancel => "cancel",
         };
         let label = match &a.reason {
             Some(reason) => format!("{kind} {}:{reason}", a.state),

@@ -12,10 +12,10 @@
 //!   one Redis node of six (a master and its replica never both), one NATS node of three
 //!   (quorum 2; half the time the `SECKILL_ORDERS` leader), one PostgreSQL node of three (the primary's loss is a promotion; a standby's
 //!   leaves `ANY 1` satisfied), one engine of two (the balancer has the other).
-//! - A **partition** (the node's proxy refuses and stalls every connection) only for nodes a
-//!   proxy fronts: PostgreSQL's, whose multi-host URL lists the proxies. Redis Cluster clients
-//!   follow the addresses the nodes announce, so a proxy in front of a Redis node would be
-//!   bypassed; NATS clients likewise learn the cluster's own URLs.
+//! - A **partition** cuts a node off from the engines (its proxy stalls every connection of
+//!   theirs) while it stays in its own cluster: every Redis, NATS and PostgreSQL node is
+//!   fronted by a proxy (`run.rs`); the engines are not (the balancer is their front, and a
+//!   freeze is what a partitioned engine looks like to it).
 //!
 //! What it is not: the execution (`nemesis.rs`), the buyers, or the auditor.
 
@@ -243,7 +243,9 @@ fn pick_in(rng: &mut SplitMix64, group: Group) -> Fault {
         Group::Pg => Node::PgStandby(rng.between(0, 1) as u8),
         Group::Engine => Node::Engine(rng.between(0, 1) as u8),
     };
-    let partitionable = matches!(node, Node::PgPrimary | Node::PgStandby(_));
+    // One draw whatever the node, so the draws after it are those of the schedule before
+    // Redis and NATS nodes could be partitioned.
+    let partitionable = !matches!(node, Node::Engine(_));
     let action = match rng.between(0, if partitionable { 2 } else { 1 }) {
         0 => Action::Kill,
         1 => Action::Freeze,
@@ -291,7 +293,7 @@ mod tests {
                     assert_ne!(a.node.group(), b.node.group(), "{}", s.render());
                 }
                 for f in &round.faults {
-                    let fronted = matches!(f.node, Node::PgPrimary | Node::PgStandby(_));
+                    let fronted = !matches!(f.node, Node::Engine(_));
                     assert!(f.action != Action::Partition || fronted, "{f:?}");
                 }
             }
@@ -308,6 +310,10 @@ mod tests {
         assert!(rounds.iter().any(|r| r.faults.len() == 2));
         for action in [Action::Kill, Action::Freeze, Action::Partition] {
             assert!(rounds.iter().flat_map(|r| &r.faults).any(|f| f.action == action));
+        }
+        for group in [Group::Redis, Group::Nats, Group::Pg] {
+            let partitioned = |f: &&Fault| f.action == Action::Partition && f.node.group() == group;
+            assert!(rounds.iter().flat_map(|r| &r.faults).any(|f| partitioned(&f)), "{group:?}");
         }
         for node in [Node::PgPrimary, Node::NatsLeader, Node::Redis(5), Node::Engine(1)] {
             assert!(rounds.iter().flat_map(|r| &r.faults).any(|f| f.node == node), "{node:?}");

@@ -20,7 +20,7 @@
 
 use std::fs;
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -76,6 +76,9 @@ pub struct NatsNode {
     pub name: String,
     pub ports: NodePorts,
     pub dir: PathBuf,
+    /// The client address this node tells clients to use instead of its own (a proxy in
+    /// front of it, see [`NatsCluster::advertise_clients`]); kept across restarts.
+    pub client_advertise: Option<SocketAddr>,
     server: Option<Server>,
 }
 
@@ -149,6 +152,7 @@ impl NatsCluster {
                 name: format!("n{}", i + 1),
                 ports: *ports,
                 dir: dir.join(format!("n{}", i + 1)),
+                client_advertise: None,
                 server: None,
             })
             .collect();
@@ -181,9 +185,48 @@ impl NatsCluster {
             .args(["--routes", &routes.join(",")])
             .args(["-m", &node.ports.http.to_string(), "-js", "-sd"])
             .arg(node.dir.join("store"));
+        if let Some(addr) = node.client_advertise {
+            command.args(["--client_advertise", &addr.to_string()]);
+        }
         let server = spawn_command_and_wait(Kind::Nats, &node.dir, node.ports.client, command)?;
         self.nodes[index].server = Some(server);
         Ok(())
+    }
+
+    /// Makes every node tell clients to reach it at `addrs[i]` (`--client_advertise`; each
+    /// running node is restarted with it, one at a time, and it is kept across later
+    /// restarts) and waits until every node's `connect_urls` lists only those: a client given
+    /// these addresses then never learns a way around them (`flashsale chaos` puts a proxy of
+    /// its own at each). A reload cannot do it: nats-server reloads only a configuration that
+    /// is wholly in its file. Meant before any stream exists.
+    pub fn advertise_clients(&mut self, addrs: &[SocketAddr]) -> Result<(), StackError> {
+        for (index, addr) in addrs.iter().enumerate().take(self.nodes.len()) {
+            self.nodes[index].client_advertise = Some(*addr);
+            if self.nodes[index].is_running() {
+                self.restart(index)?;
+                self.wait_healthy(HEALTHY_TIMEOUT)?;
+            }
+        }
+        let wanted: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
+        let deadline = Instant::now() + HEALTHY_TIMEOUT;
+        loop {
+            let stale = self.nodes.iter().filter(|n| n.is_running()).find(|node| {
+                let varz = monitor_json(node.ports.http, "/varz").unwrap_or_default();
+                let urls = varz["connect_urls"].as_array().cloned().unwrap_or_default();
+                let urls: Vec<&str> = urls.iter().filter_map(|u| u.as_str()).collect();
+                urls.len() != wanted.len() || !urls.iter().all(|u| wanted.iter().any(|w| w == u))
+            });
+            match stale {
+                None => return Ok(()),
+                Some(node) if Instant::now() > deadline => {
+                    return Err(service_err(format!(
+                        "node {} does not advertise {wanted:?} within {HEALTHY_TIMEOUT:?}",
+                        node.name
+                    )))
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
     }
 
     /// The comma-separated client URLs (`FLASHSALE_NATS_URL` for a cluster).

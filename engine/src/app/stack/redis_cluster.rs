@@ -84,6 +84,9 @@ impl ClusterNode {
 pub struct RedisCluster {
     pub dir: PathBuf,
     pub nodes: Vec<ClusterNode>,
+    /// The client port each node announces instead of its own, by node index (empty: its
+    /// own); see [`RedisCluster::announce_clients`].
+    announced: Vec<u16>,
 }
 
 impl RedisCluster {
@@ -101,6 +104,7 @@ impl RedisCluster {
             let cluster = RedisCluster {
                 dir: dir.clone(),
                 nodes: nodes.map(|(index, server)| ClusterNode { index, server }).collect(),
+                announced: Vec::new(),
             };
             if cluster.wait_healthy(Duration::from_secs(10)).is_ok() {
                 return Ok((cluster, false));
@@ -122,7 +126,8 @@ impl RedisCluster {
 
     /// Six fresh nodes (old node directories wiped) and `redis-cli --cluster create`.
     pub fn create(dir: &Path) -> Result<RedisCluster, StackError> {
-        let mut cluster = RedisCluster { dir: dir.to_path_buf(), nodes: Vec::new() };
+        let mut cluster =
+            RedisCluster { dir: dir.to_path_buf(), nodes: Vec::new(), announced: Vec::new() };
         let result = (|| {
             for index in 0..NODE_COUNT {
                 let node = node_dir(dir, index);
@@ -147,7 +152,8 @@ impl RedisCluster {
 
     /// Restarts the dead nodes of a cluster created before on their recorded ports.
     fn revive(dir: &Path, running: Vec<Option<Server>>) -> Result<RedisCluster, StackError> {
-        let mut cluster = RedisCluster { dir: dir.to_path_buf(), nodes: Vec::new() };
+        let mut cluster =
+            RedisCluster { dir: dir.to_path_buf(), nodes: Vec::new(), announced: Vec::new() };
         let mut started = Vec::new();
         let result = (|| {
             for (index, server) in running.into_iter().enumerate() {
@@ -215,13 +221,49 @@ impl RedisCluster {
             match start_node(&dir, Some(port)) {
                 Ok(server) => {
                     node.server = server;
-                    return Ok(());
+                    return match self.announced.get(index) {
+                        Some(&announced) => announce(&self.nodes[index].server, announced),
+                        None => Ok(()),
+                    };
                 }
                 Err(e) => last = Some(e),
             }
             std::thread::sleep(Duration::from_millis(100));
         }
         Err(last.unwrap_or_else(|| service(format!("restart node-{index} failed"))))
+    }
+
+    /// Makes node `i` tell clients and replicas to reach it on `ports[i]` of loopback
+    /// (`cluster-announce-port`; the bus stays on the node's own port + 10000, so the
+    /// cluster's own gossip is untouched), kept across [`RedisCluster::restart_node`], and
+    /// waits until every node's `CLUSTER NODES` shows only those ports: a client that reads
+    /// the slot map then connects nowhere else (`flashsale chaos` puts a proxy of its own at
+    /// each). Replication links made before keep their direct connection.
+    pub fn announce_clients(&mut self, ports: &[u16]) -> Result<(), StackError> {
+        for (node, &port) in self.nodes.iter().zip(ports) {
+            announce(&node.server, port)?;
+        }
+        self.announced = ports.to_vec();
+        let deadline = Instant::now() + HEALTHY_TIMEOUT;
+        loop {
+            let stale = self.nodes.iter().find(|node| {
+                let nodes = call(node.addr(), &["CLUSTER", "NODES"]);
+                let text = nodes.ok().and_then(|r| r.as_str().map(str::to_owned));
+                let text = text.unwrap_or_default();
+                let seen: Vec<u16> = text.lines().filter_map(announced_port).collect();
+                seen.len() != ports.len() || !seen.iter().all(|p| ports.contains(p))
+            });
+            match stale {
+                None => return Ok(()),
+                Some(node) if Instant::now() > deadline => {
+                    return Err(service(format!(
+                        "node-{} does not see the ports {ports:?} within {HEALTHY_TIMEOUT:?}",
+                        node.index
+                    )))
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
     }
 
     /// Waits until every node answers, says `cluster_state:ok`, every replica's link is up
@@ -338,6 +380,26 @@ fn recorded_port(dir: &Path) -> Option<u16> {
     fs::read_to_string(dir.join("port")).ok()?.trim().parse().ok()
 }
 
+/// `cluster-announce-port` of a running node (its bus port stays its own).
+fn announce(server: &Server, port: u16) -> Result<(), StackError> {
+    let bus = (server.port + BUS_PORT_OFFSET).to_string();
+    for (name, value) in
+        [("cluster-announce-bus-port", bus), ("cluster-announce-port", port.to_string())]
+    {
+        if let Reply::Error(e) = call(server.addr(), &["CONFIG", "SET", name, &value])? {
+            let e = String::from_utf8_lossy(&e);
+            return Err(service(format!("CONFIG SET {name} {value}: {e}")));
+        }
+    }
+    Ok(())
+}
+
+/// The client port of one `CLUSTER NODES` line (`id ip:port@bus flags ...`).
+fn announced_port(line: &str) -> Option<u16> {
+    let addr = line.split_whitespace().nth(1)?;
+    addr.split('@').next()?.rsplit(':').next()?.parse().ok()
+}
+
 /// A node's `nodes.conf` names more than itself once the cluster was created.
 fn was_created(dir: &Path) -> bool {
     fs::read_to_string(dir.join("nodes.conf")).is_ok_and(|text| {
@@ -429,5 +491,23 @@ pub fn call(addr: SocketAddr, args: &[&str]) -> Result<Reply, StackError> {
             return Err(service(format!("{}: connection closed", context())));
         }
         buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cluster_nodes_line_gives_the_client_port_it_announces() {
+        let line = "d5e2 127.0.0.1:27001@46015 myself,master - 0 0 1 connected 0-5460";
+        assert_eq!(announced_port(line), Some(27001));
+        // A node not yet met has no address.
+        assert_eq!(
+            announced_port("d5e2 :27001@27002 myself,master - 0 0 0 connected"),
+            Some(27001)
+        );
+        assert_eq!(announced_port("d5e2 :0@0 handshake - 0 0 0 connected"), Some(0));
+        assert_eq!(announced_port(""), None);
     }
 }
