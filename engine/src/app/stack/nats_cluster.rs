@@ -28,7 +28,9 @@ use std::time::{Duration, Instant};
 use super::error::{io_err, StackError};
 use super::kind::{find_binary, Kind};
 use super::process::process_matches;
-use super::server::{free_port, jetstream_limits, spawn_command_and_wait, Server};
+use super::server::{
+    free_port, jetstream_limits, poll_until_clear, spawn_command_and_wait, Server,
+};
 
 /// Nodes of the cluster (JetStream's R3 needs three for a majority that survives one loss).
 pub const NODES: usize = 3;
@@ -208,25 +210,19 @@ impl NatsCluster {
             }
         }
         let wanted: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
-        let deadline = Instant::now() + HEALTHY_TIMEOUT;
-        loop {
-            let stale = self.nodes.iter().filter(|n| n.is_running()).find(|node| {
+        let stale = || {
+            self.nodes.iter().filter(|n| n.is_running()).find_map(|node| {
                 let varz = monitor_json(node.ports.http, "/varz").unwrap_or_default();
                 let urls = varz["connect_urls"].as_array().cloned().unwrap_or_default();
                 let urls: Vec<&str> = urls.iter().filter_map(|u| u.as_str()).collect();
-                urls.len() != wanted.len() || !urls.iter().all(|u| wanted.iter().any(|w| w == u))
-            });
-            match stale {
-                None => return Ok(()),
-                Some(node) if Instant::now() > deadline => {
-                    return Err(service_err(format!(
-                        "node {} does not advertise {wanted:?} within {HEALTHY_TIMEOUT:?}",
-                        node.name
-                    )))
-                }
-                Some(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
+                let stale = urls.len() != wanted.len()
+                    || !urls.iter().all(|u| wanted.contains(&u.to_string()));
+                stale.then(|| format!("node {} advertises {urls:?}", node.name))
+            })
+        };
+        poll_until_clear(HEALTHY_TIMEOUT, stale).map_err(|problem| {
+            service_err(format!("{wanted:?} not advertised within {HEALTHY_TIMEOUT:?}: {problem}"))
+        })
     }
 
     /// The comma-separated client URLs (`FLASHSALE_NATS_URL` for a cluster).
@@ -290,9 +286,8 @@ impl NatsCluster {
 
     /// Waits until every running node answers `/healthz` with ok and reports a meta leader.
     pub fn wait_healthy(&self, timeout: Duration) -> Result<(), StackError> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let unhealthy = self.nodes.iter().filter(|n| n.is_running()).find_map(|node| {
+        let unhealthy = || {
+            self.nodes.iter().filter(|n| n.is_running()).find_map(|node| {
                 let healthy = http_get(node.ports.http, "/healthz")
                     .is_ok_and(|(status, body)| status == 200 && body.contains("ok"));
                 let leader = monitor_json(node.ports.http, "/jsz")
@@ -300,18 +295,14 @@ impl NatsCluster {
                     .and_then(|jsz| jsz["meta_cluster"]["leader"].as_str().map(str::to_owned))
                     .filter(|leader| !leader.is_empty());
                 (!healthy || leader.is_none()).then(|| node.name.clone())
-            });
-            match unhealthy {
-                None => return Ok(()),
-                Some(name) if Instant::now() > deadline => {
-                    return Err(service_err(format!(
-                        "node {name} not healthy (or no meta leader) within {timeout:?}; see {}",
-                        self.dir.display()
-                    )))
-                }
-                Some(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
+            })
+        };
+        poll_until_clear(timeout, unhealthy).map_err(|name| {
+            service_err(format!(
+                "node {name} not healthy (or no meta leader) within {timeout:?}; see {}",
+                self.dir.display()
+            ))
+        })
     }
 
     /// The JetStream meta leader's node name, as the first answering node sees it.

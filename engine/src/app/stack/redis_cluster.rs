@@ -22,7 +22,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use flashsale_io::resp::{self, Reply};
@@ -30,7 +30,7 @@ use flashsale_io::resp::{self, Reply};
 use super::error::{io_err, StackError};
 use super::kind::{find_binary, Kind};
 use super::process::process_matches;
-use super::server::{free_port, spawn_and_wait_with, Server};
+use super::server::{free_port, poll_until_clear, spawn_and_wait_with, Server};
 
 /// 3 masters, each with one replica.
 pub const NODE_COUNT: usize = 6;
@@ -244,40 +244,25 @@ impl RedisCluster {
             announce(&node.server, port)?;
         }
         self.announced = ports.to_vec();
-        let deadline = Instant::now() + HEALTHY_TIMEOUT;
-        loop {
-            let stale = self.nodes.iter().find(|node| {
-                let nodes = call(node.addr(), &["CLUSTER", "NODES"]);
-                let text = nodes.ok().and_then(|r| r.as_str().map(str::to_owned));
-                let text = text.unwrap_or_default();
+        let stale = || {
+            self.nodes.iter().find_map(|node| {
+                let nodes = call(node.addr(), &["CLUSTER", "NODES"]).ok();
+                let text = nodes.and_then(|r| r.as_str().map(str::to_owned)).unwrap_or_default();
                 let seen: Vec<u16> = text.lines().filter_map(announced_port).collect();
-                seen.len() != ports.len() || !seen.iter().all(|p| ports.contains(p))
-            });
-            match stale {
-                None => return Ok(()),
-                Some(node) if Instant::now() > deadline => {
-                    return Err(service(format!(
-                        "node-{} does not see the ports {ports:?} within {HEALTHY_TIMEOUT:?}",
-                        node.index
-                    )))
-                }
-                Some(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
+                let stale = seen.len() != ports.len() || !seen.iter().all(|p| ports.contains(p));
+                stale.then(|| format!("node-{} sees {seen:?}", node.index))
+            })
+        };
+        poll_until_clear(HEALTHY_TIMEOUT, stale).map_err(|problem| {
+            service(format!("ports {ports:?} not announced within {HEALTHY_TIMEOUT:?}: {problem}"))
+        })
     }
 
     /// Waits until every node answers, says `cluster_state:ok`, every replica's link is up
     /// and not syncing, and every master serving slots has an online replica.
     pub fn wait_healthy(&self, timeout: Duration) -> Result<(), StackError> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let problem = self.health_problem();
-            let Some(problem) = problem else { return Ok(()) };
-            if Instant::now() > deadline {
-                return Err(service(format!("not healthy within {timeout:?}: {problem}")));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        poll_until_clear(timeout, || self.health_problem())
+            .map_err(|problem| service(format!("not healthy within {timeout:?}: {problem}")))
     }
 
     /// What is still wrong, or `None` when healthy.

@@ -290,7 +290,21 @@ fn server_command(kind: Kind, dir: &Path, port: u16) -> Result<Command, StackErr
     Ok(command)
 }
 
-/// `initdb` once per data directory (trust auth on loopback only, user `postgres`).
+/// Asks `problem` every 50 ms until it has none; after `timeout`, the last problem it had.
+pub(super) fn poll_until_clear(
+    timeout: Duration,
+    mut problem: impl FnMut() -> Option<String>,
+) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match problem() {
+            None => return Ok(()),
+            Some(last) if Instant::now() > deadline => return Err(last),
+            Some(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
 /// JetStream's storage limits for a private nats-server, written as `dir/jetstream.conf`
 /// (the command-line flags add the address, port and store directory). Left unset, a server
 /// takes 75% of the disk's free space at start as its limit, and a stream's `max_bytes` is
