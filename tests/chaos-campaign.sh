@@ -5,11 +5,13 @@
 # faults injected per kind, rounds with two faults, rounds skipped, nemesis actions that
 # failed, and per fault kind the longest stretch without a QUEUED answer that overlaps a round
 # (max and median; a round's two faults share it). Exit 1 if any seed breached or gave no
-# verdict. Each seed's output, verdict and record of answers stay in OUT; a seed is replayed
-# alone with `flashsale chaos --seed N --duration-s DURATION_S`.
+# verdict. Each seed's output, verdict and record of answers stay in OUT, and the stack of a
+# seed that failed (engine and server logs, data) as OUT/stack-N; a seed is replayed alone
+# with `flashsale chaos --seed N --duration-s DURATION_S`.
 #
 #   tests/chaos-campaign.sh [FIRST] [LAST]     # defaults 1 and 20; needs jq
 #   DURATION_S (180)  OUT (var/chaos-campaign)
+#   RESUME=1   seeds with a verdict in OUT already are not run again (an interrupted campaign)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 command -v jq >/dev/null || { echo "chaos-campaign.sh: needs jq (apt-get install -y jq)" >&2; exit 1; }
@@ -23,13 +25,22 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
 status=0
 for seed in $(seq "$FIRST" "$LAST"); do
+    if [ "${RESUME:-0}" = 1 ] && [ -s "$OUT/verdict-$seed.json" ]; then
+        echo "seed $seed: verdict kept from an earlier run"
+        [ "$(jq '.breaches | length' "$OUT/verdict-$seed.json")" = 0 ] || status=1
+        continue
+    fi
     started=$(date +%s)
     target/release/flashsale chaos --seed "$seed" --duration-s "$DURATION_S" \
         --dir "$OUT/stack" --json "$OUT/verdict-$seed.json" >"$OUT/seed-$seed.out" 2>&1
     code=$?
     line=$(grep -E "^chaos seed $seed: " "$OUT/seed-$seed.out" || echo "chaos seed $seed: no verdict (exit $code)")
     echo "$line in $(( $(date +%s) - started )) s"
-    [ "$code" = 0 ] || status=1
+    if [ "$code" != 0 ]; then
+        status=1
+        rm -rf "$OUT/stack-$seed"
+        mv "$OUT/stack" "$OUT/stack-$seed"
+    fi
 done
 
 # Every verdict of this campaign, one summary.

@@ -70,6 +70,19 @@ pub struct Stores {
     pub reconcile_problem: Option<String>,
 }
 
+impl Stores {
+    /// Whether the promise made to request `id` has settled: an order, or a reservation that
+    /// ended without one (the harness waits for this before it judges, the auditor judges it).
+    pub fn promise_settled(&self, id: &str) -> bool {
+        self.orders.contains_key(id)
+            || self.reservations.get(id).is_some_and(|(_, status)| settled_without_order(status))
+    }
+}
+
+fn settled_without_order(status: &str) -> bool {
+    SETTLED_WITHOUT_ORDER.iter().any(|s| status.starts_with(s))
+}
+
 /// One breach: the rule and the ids behind it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Breach {
@@ -103,16 +116,9 @@ fn is_promise(a: &Answer) -> bool {
 fn promises(answers: &[Answer], stores: &Stores, out: &mut Vec<Breach>) {
     let promised: BTreeMap<&str, u64> =
         answers.iter().filter(|a| is_promise(a)).map(|a| (a.request_id.as_str(), a.user)).collect();
-    for (id, user) in promised {
-        if stores.orders.contains_key(id) {
-            continue;
-        }
-        let settled = stores.reservations.get(id).map(|(resv, status)| {
-            (resv, SETTLED_WITHOUT_ORDER.iter().any(|s| status.starts_with(s)), status)
-        });
-        match settled {
-            Some((_, true, _)) => {}
-            Some((resv, false, status)) => out.push(Breach {
+    for (id, user) in promised.into_iter().filter(|(id, _)| !stores.promise_settled(id)) {
+        match stores.reservations.get(id) {
+            Some((resv, status)) => out.push(Breach {
                 rule: "promise",
                 detail: format!(
                     "user {user} request {id}: reservation {resv} is {status}, no order"

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use flashsale_io::jetstream::{EVENTS_STREAM, ORDERS_STREAM};
 use flashsale_io::key::HmacKey;
 
 use super::audit::{self, Answer, AnswerKind, Breach, Stores};
@@ -94,6 +95,9 @@ pub struct Verdict {
     pub rounds: Vec<RoundFigures>,
     pub answers: BTreeMap<String, usize>,
     pub breaches: Vec<Breach>,
+    /// Each NATS node's view of the two streams once the stores were read
+    /// ([`stack::NatsCluster::stream_views`]): the first thing to read after a promise breach.
+    pub log_state: Vec<String>,
 }
 
 pub fn run(plan: &ChaosPlan) -> anyhow::Result<Verdict> {
@@ -135,6 +139,10 @@ pub fn run(plan: &ChaosPlan) -> anyhow::Result<Verdict> {
         events,
         answers: count_answers(&answers),
         breaches,
+        log_state: [ORDERS_STREAM, EVENTS_STREAM]
+            .iter()
+            .flat_map(|stream| targets.nats.stream_views(stream))
+            .collect(),
     };
     report(plan, &verdict)?;
     write_record(plan, &answers)?;
@@ -260,11 +268,7 @@ fn read_stores(pg_url: &str, admins: &[SocketAddr], answers: &[Answer]) -> anyho
     let rt = runtime()?;
     let mut stores = loop {
         let stores = rt.block_on(read_pg(pg_url))?;
-        let settled = |id: &&str| {
-            stores.orders.contains_key(*id)
-                || stores.reservations.get(*id).is_some_and(|(_, s)| s.starts_with("REJECTED"))
-        };
-        if promised.iter().all(settled) || Instant::now() > deadline {
+        if promised.iter().all(|id| stores.promise_settled(id)) || Instant::now() > deadline {
             break stores;
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -405,6 +409,9 @@ fn report(plan: &ChaosPlan, verdict: &Verdict) -> anyhow::Result<()> {
         );
     }
     println!("  answers: {:?}", verdict.answers);
+    if !verdict.breaches.is_empty() {
+        verdict.log_state.iter().for_each(|line| println!("  log: {line}"));
+    }
     for b in &verdict.breaches {
         println!("  BREACH seed {} [{}] {}", verdict.seed, b.rule, b.detail);
     }

@@ -335,6 +335,44 @@ impl NatsCluster {
         self.first_answer("/jsz?streams=true&config=true", |jsz| find_stream(jsz, stream).cloned())
     }
 
+    /// Every running node's view of `stream` and its consumers, one line each: the leader it
+    /// knows, its copy's messages and sequences, and per consumer the delivered and acked
+    /// stream sequences and what is pending (only the consumer's leader tracks those). What
+    /// a run records at its end: replicas that disagree, or a consumer past the stream's last
+    /// sequence, explain messages that are stored and never delivered.
+    pub fn stream_views(&self, stream: &str) -> Vec<String> {
+        let path = "/jsz?accounts=true&streams=true&consumers=true";
+        let view = |node: &NatsNode| {
+            let jsz = monitor_json(node.ports.http, path).ok()?;
+            let s = find_stream(&jsz, stream)?;
+            let consumers: Vec<String> = s["consumer_detail"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|c| {
+                    format!(
+                        "{} delivered {} acked {} pending {} ack_pending {}",
+                        c["name"].as_str().unwrap_or("?"),
+                        c["delivered"]["stream_seq"],
+                        c["ack_floor"]["stream_seq"],
+                        c["num_pending"],
+                        c["num_ack_pending"]
+                    )
+                })
+                .collect();
+            Some(format!(
+                "{stream} on {}: leader {} messages {} seq {}..{}; {}",
+                node.name,
+                s["cluster"]["leader"].as_str().unwrap_or("none"),
+                s["state"]["messages"],
+                s["state"]["first_seq"],
+                s["state"]["last_seq"],
+                consumers.join("; ")
+            ))
+        };
+        self.nodes.iter().filter(|n| n.is_running()).filter_map(view).collect()
+    }
+
     /// Asks the running nodes in turn; the first `Some` wins (a stream with fewer replicas
     /// than nodes is listed only by the nodes that hold it).
     fn first_answer<T>(
