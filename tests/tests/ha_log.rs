@@ -4,15 +4,18 @@
 //! the setting; raising a stream's replicas is an update; the placement gauges follow the
 //! peers; kill -9 of a stream leader mid-publish makes publishes fail, then resume, with
 //! `Nats-Msg-Id` dedup intact; and the engine with a sale running while the stream leader,
-//! the consumer leader and the meta leader are killed in turn.
+//! the consumer leader and the meta leader are killed in turn; and a node cut off without a
+//! reset (a partition) left by the client within seconds.
 //!
 //! The tests of this file share one cluster (created by the first, stopped after the last)
 //! and take turns on it; each leaves it healthy (a killed node restarted, peers current).
 
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use flashsale_engine::app::chaos::proxy::Proxy;
 use flashsale_engine::app::config::{Config, Env, Overrides};
 use flashsale_engine::app::serve;
 use flashsale_io::jetstream::async_nats::jetstream::stream;
@@ -297,6 +300,80 @@ fn kill_9_of_the_stream_leader_mid_publish_publishes_fail_then_resume_and_dedup_
     cluster.wait_healthy(Duration::from_secs(30)).expect("healthy again");
     rt.block_on(async {
         wait_current_peers(&log, &name, 3).await;
+        let _ = log.context().delete_stream(&name).await;
+    });
+}
+
+/// A node cut off from the client without a reset (the chaos proxy's partition: bytes held,
+/// no FIN, no RST — a partition or a hung host) is left within seconds: the client's pings go
+/// unanswered, it drops the connection and publishes again through a node the cluster told it
+/// of. The control, a client with async-nats' 60 s default, still fails every publish 15 s on
+/// (it would wait about three minutes).
+#[test]
+fn a_node_cut_off_without_a_reset_is_left_within_seconds_and_publishes_resume() {
+    const CONTROL_FOR: Duration = Duration::from_secs(15);
+    let shared = shared_cluster();
+    let cluster = shared.lock().unwrap_or_else(PoisonError::into_inner);
+    cluster.wait_healthy(Duration::from_secs(30)).expect("healthy");
+    let node = cluster.nodes()[0].ports.client;
+    let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], node))).expect("proxy");
+    let url = format!("nats://{}", proxy.addr);
+    let rt = runtime();
+    let config = replicated(&url, 3);
+    assert_eq!(config.ping_interval_ms, 2_000, "the default under test");
+    let log = rt.block_on(Log::connect(&config)).expect("connect");
+    let default_pings = LogConfig { ping_interval_ms: 60_000, ..config.clone() };
+    let control = rt.block_on(Log::connect(&default_pings)).expect("connect the control");
+    let name = format!("HA_CUT_{}", rand::random::<u32>());
+    let subject = format!("ha.cut.{name}");
+    rt.block_on(async {
+        let config = stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            num_replicas: 3,
+            ..Default::default()
+        };
+        log.ensure_stream(config).await.expect("R3 stream");
+        wait_current_peers(&log, &name, 3).await;
+    });
+    let publish = |log: &Log, id: String| {
+        let (publisher, subject) = (log.publisher(), subject.clone());
+        async move { publisher.publish(&subject, &id, None, &[], Bytes::from(id.clone())).await }
+    };
+    rt.block_on(publish(&log, "before".into())).expect("a publish through the proxy");
+    rt.block_on(publish(&control, "before-control".into())).expect("the control's");
+
+    proxy.partition();
+    let cut = Instant::now();
+    let (resumed, control_acks) = rt.block_on(async {
+        let resumed = async {
+            for i in 0.. {
+                match publish(&log, format!("after-{i}")).await {
+                    Ok(_) => return Some(cut.elapsed()),
+                    Err(_) if cut.elapsed() < Duration::from_secs(60) => {}
+                    Err(_) => return None,
+                }
+            }
+            None
+        };
+        let control = async {
+            let mut acks = 0;
+            for i in 0.. {
+                if cut.elapsed() > CONTROL_FOR {
+                    break;
+                }
+                acks += usize::from(publish(&control, format!("control-{i}")).await.is_ok());
+            }
+            acks
+        };
+        tokio::join!(resumed, control)
+    });
+    proxy.heal();
+    println!("cut off without a reset: publishes resumed after {resumed:?}; control: {control_acks} acks in {CONTROL_FOR:?}");
+    let resumed = resumed.expect("publishes resumed within 60 s");
+    assert!(resumed < Duration::from_secs(30), "left the cut-off node only after {resumed:?}");
+    assert_eq!(control_acks, 0, "the control (60 s pings) left the cut-off node: not a control");
+    rt.block_on(async {
         let _ = log.context().delete_stream(&name).await;
     });
 }

@@ -43,6 +43,7 @@ impl Log {
         let options = async_nats::ConnectOptions::new()
             .name("flashsale")
             .connection_timeout(ms(config.connect_timeout_ms))
+            .ping_interval(ms(config.ping_interval_ms))
             .request_timeout(Some(ms(config.request_timeout_ms)));
         let client = tokio::time::timeout(
             // One connect attempt per server, each bounded by the connection timeout.
