@@ -44,6 +44,23 @@ fn replicated(url: &str, replicas: usize) -> LogConfig {
     LogConfig { url: url.to_owned(), replicas, publish_timeout_ms: 1_000, ..LogConfig::default() }
 }
 
+/// A new R3 stream of the test's own, `HA_<tag>_<random>` on one subject (15 min duplicate
+/// window), once all three peers are current; its (name, subject).
+async fn scratch_stream(log: &Log, tag: &str) -> (String, String) {
+    let name = format!("HA_{tag}_{}", rand::random::<u32>());
+    let subject = format!("ha.{}.{name}", tag.to_lowercase());
+    let config = stream::Config {
+        name: name.clone(),
+        subjects: vec![subject.clone()],
+        num_replicas: 3,
+        duplicate_window: Duration::from_secs(15 * 60),
+        ..Default::default()
+    };
+    log.ensure_stream(config).await.expect("R3 stream");
+    wait_current_peers(log, &name, 3).await;
+    (name, subject)
+}
+
 /// A gauge's value in a Prometheus exposition, if present.
 fn gauge(text: &str, prefix: &str) -> Option<f64> {
     text.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
@@ -233,19 +250,7 @@ fn kill_9_of_the_stream_leader_mid_publish_publishes_fail_then_resume_and_dedup_
     cluster.wait_healthy(Duration::from_secs(30)).expect("healthy");
     let rt = runtime();
     let log = rt.block_on(Log::connect(&replicated(&cluster.url(), 3))).expect("connect");
-    let name = format!("HA_KILL_{}", rand::random::<u32>());
-    let subject = format!("ha.kill.{name}");
-    rt.block_on(async {
-        let config = stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            num_replicas: 3,
-            duplicate_window: Duration::from_secs(15 * 60),
-            ..Default::default()
-        };
-        log.ensure_stream(config).await.expect("R3 stream");
-        wait_current_peers(&log, &name, 3).await;
-    });
+    let (name, subject) = rt.block_on(scratch_stream(&log, "KILL"));
     let publisher = log.publisher();
     let publish = |i: usize| {
         rt.block_on(publisher.publish(
@@ -324,18 +329,7 @@ fn a_node_cut_off_without_a_reset_is_left_within_seconds_and_publishes_resume() 
     let log = rt.block_on(Log::connect(&config)).expect("connect");
     let default_pings = LogConfig { ping_interval_ms: 60_000, ..config.clone() };
     let control = rt.block_on(Log::connect(&default_pings)).expect("connect the control");
-    let name = format!("HA_CUT_{}", rand::random::<u32>());
-    let subject = format!("ha.cut.{name}");
-    rt.block_on(async {
-        let config = stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            num_replicas: 3,
-            ..Default::default()
-        };
-        log.ensure_stream(config).await.expect("R3 stream");
-        wait_current_peers(&log, &name, 3).await;
-    });
+    let (name, subject) = rt.block_on(scratch_stream(&log, "CUT"));
     let publish = |log: &Log, id: String| {
         let (publisher, subject) = (log.publisher(), subject.clone());
         async move { publisher.publish(&subject, &id, None, &[], Bytes::from(id.clone())).await }
