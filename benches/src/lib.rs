@@ -6,12 +6,16 @@
 //! (and reaped) on drop. It never touches the machine's shared server on 6379.
 //!
 //! The open-loop load generator lives in [`loadgen`] (binary `flashsale-loadgen`); private
-//! PostgreSQL databases for the order-path benches in [`pg`].
+//! PostgreSQL databases for the order-path benches in [`pg`]; the submit path's steps, shared by
+//! the sold-out and owner path benches, in [`submit_path`]; the bench thread's CPU clock in
+//! [`cpu_clock`].
 //!
 //! Not here: the benches themselves (`benches/benches/`).
 
+pub mod cpu_clock;
 pub mod loadgen;
 pub mod pg;
+pub mod submit_path;
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener, TcpStream};
