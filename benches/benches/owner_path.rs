@@ -65,8 +65,8 @@ use flashsale_engine::logic::submit::{
     Begin, Call, Outside, OwnerLimits, OwnerState, Published, ReserveResult, SubmitAnswer,
     SubmitRequest,
 };
-use flashsale_engine::shard::config::EdgeConfig;
 use flashsale_engine::shard::store::Store;
+use flashsale_engine::shard::submit::reserve_args;
 use flashsale_io::redis::layout::ActivityStatus;
 use flashsale_io::redis::script::{PreheatArgs, ReserveArgs, ReserveReply, ScriptError, SkuKeys};
 use flashsale_io::wire::OrderCreate;
@@ -90,9 +90,6 @@ const DEPTH_CONCURRENT: usize = 16;
 /// The first bench buyer: above the sold-out replica's buyers (100,001..110,000).
 const FIRST_USER: u64 = 1_000_000;
 
-/// As `engine/src/shard/state.rs` (`REDIS_NODES_MAX`): circuits kept per Redis node.
-const REDIS_NODES_MAX: usize = 64;
-
 /// The shard's side of the bench: its Redis store, its owner state (fresh per batch) and what
 /// the front needs (pass keys; the SKU's replica, not sold out).
 struct Edge {
@@ -114,7 +111,7 @@ impl Edge {
         // only never empty, so every request takes the path being priced.
         config.partition.attempts_per_s = 1_000_000;
         let store = Store::connect(0, &config).await.expect("connect the store to bench redis");
-        let limits = owner_limits(&config);
+        let limits = config.owner_limits();
         Edge {
             store,
             owner: RefCell::new(OwnerState::new(limits, rand::random())),
@@ -146,21 +143,6 @@ impl Edge {
     }
 }
 
-/// `shard/state.rs`'s `owner_limits` (private there).
-fn owner_limits(config: &EdgeConfig) -> OwnerLimits {
-    OwnerLimits {
-        partition: config.partition,
-        skus_tracked_max: config.skus_tracked_max,
-        accepted_per_shard_max: config.accepted_per_shard_max,
-        in_flight_max: config.submit_in_flight_max,
-        budgets: config.admission,
-        redis_circuit: config.redis_circuit,
-        redis_nodes_max: REDIS_NODES_MAX,
-        busy_retry_ms: config.busy_retry_ms,
-        overload: config.overload,
-    }
-}
-
 fn sku() -> SkuKey {
     SkuKey::new(ACTIVITY_ID, SKU_ID)
 }
@@ -188,16 +170,20 @@ async fn owner_path(edge: &Edge, raw: &[u8], out: &mut BytesMut) -> usize {
     out.len()
 }
 
+/// The SKU's keys and the owner's `begin`, which must call Redis here (never answer at once).
+fn begin(edge: &Edge, s: &SubmitRequest<'_>, now: u64) -> (Rc<SkuKeys>, Call) {
+    let keys = edge.store.sku_keys(s.key);
+    let node = edge.store.functions.router().node_of(keys.slot());
+    match edge.owner.borrow_mut().begin(s, node, &outside(now), now) {
+        Begin::Call(call) => (keys, call),
+        Begin::Answer { answer, .. } => panic!("begin answered at once: {answer:?}"),
+    }
+}
+
 /// `shard/submit.rs`'s `owner_submit_inner`: `begin`, the expensive path, `path_done`.
 async fn owner_submit(edge: &Edge, s: &SubmitRequest<'_>) -> SubmitAnswer {
     let now = now_ms();
-    let outside = outside(now);
-    let keys = edge.store.sku_keys(s.key);
-    let node = edge.store.functions.router().node_of(keys.slot());
-    let call = match edge.owner.borrow_mut().begin(s, node, &outside, now) {
-        Begin::Call(call) => call,
-        Begin::Answer { answer, .. } => panic!("begin answered at once: {answer:?}"),
-    };
+    let (keys, call) = begin(edge, s, now);
     let started = Instant::now();
     let (answer, path) = expensive_path(edge, s, &keys, call, now).await;
     let latency_us = started.elapsed().as_micros() as u64;
@@ -215,16 +201,7 @@ async fn expensive_path(
     now: u64,
 ) -> (SubmitAnswer, PathPermit) {
     assert!(!call.sold_out_reads, "the SKU is not sold out");
-    let args = ReserveArgs {
-        request_id: s.request_id,
-        user_id: s.user_id.0,
-        payload_hash: s.payload_hash.as_str(),
-        reservation_id: &call.reservation_id,
-        message_id: &call.message_id,
-        now_ms: now,
-        pending_grace_ms: edge.pending_grace_ms,
-        quantity: s.quantity,
-    };
+    let args = reserve_args(s, &call, now, edge.pending_grace_ms);
     let started = Instant::now();
     let reply = edge.store.functions.reserve(keys, &args).await;
     // The shard observes `reserve`'s latency into a histogram here.
@@ -531,13 +508,7 @@ fn decisions_step(edge: &Edge, users: std::ops::Range<u64>) -> (Duration, Vec<Or
 
 fn decide(edge: &Edge, s: &SubmitRequest<'_>) -> OrderCreate {
     let now = now_ms();
-    let outside = outside(now);
-    let keys = edge.store.sku_keys(s.key);
-    let node = edge.store.functions.router().node_of(keys.slot());
-    let call = match edge.owner.borrow_mut().begin(s, node, &outside, now) {
-        Begin::Call(call) => call,
-        Begin::Answer { answer, .. } => panic!("begin answered at once: {answer:?}"),
-    };
+    let (_, call) = begin(edge, s, now);
     let started = Instant::now();
     let created = ReserveResult::Created { stock_after: 1_000_000, expires_at_ms: now + 300_000 };
     let finish = edge.owner.borrow_mut().finish(call, s, created, now);

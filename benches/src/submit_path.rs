@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use bytes::BytesMut;
-use flashsale_engine::http::{parse_request, Parsed, Request, ResponseHead, StateBody, Status};
+use flashsale_engine::http::{parse_request, Parsed, Request, ResponseHead};
 use flashsale_engine::logic::api::{self, PayloadHash};
 use flashsale_engine::logic::auth::PassKeys;
 use flashsale_engine::logic::ids::{ActivityId, SkuId, UserId};
@@ -29,6 +29,7 @@ use flashsale_engine::logic::partition::{
 use flashsale_engine::logic::placement::SkuKey;
 use flashsale_engine::logic::submit::SubmitAnswer;
 use flashsale_engine::shard::reply::write_state;
+use flashsale_engine::shard::submit::answer_body;
 
 /// The benches' activity and SKU.
 pub const ACTIVITY_ID: u64 = 10001;
@@ -120,22 +121,10 @@ pub fn write_answer(
     body_request_id: Option<&str>,
     answer: &SubmitAnswer,
 ) {
-    let (code, state) = answer.outcome.http();
-    let mut head = ResponseHead::new(
-        Status::from_code(code).unwrap_or(Status::InternalServerError),
-        request.x_request_id.unwrap_or(GENERATED_REQUEST_ID),
-    );
+    let (status, body) = answer_body(answer, body_request_id);
+    let mut head = ResponseHead::new(status, request.x_request_id.unwrap_or(GENERATED_REQUEST_ID));
     head.traceparent = request.traceparent;
     head.retry_after_ms = answer.retry_after_ms;
-    let body = StateBody {
-        request_id: body_request_id,
-        state,
-        reservation_id: answer.reservation_id.as_deref(),
-        order_id: None,
-        reason_code: answer.reason_code.as_deref(),
-        retry_after_ms: answer.retry_after_ms,
-        replayed: answer.replayed,
-    };
     write_state(out, &head, &body);
 }
 

@@ -8,6 +8,7 @@
 use crate::http::Limits;
 use crate::logic::limiter::Rate;
 use crate::logic::partition::PartitionLimits;
+use crate::logic::submit::OwnerLimits;
 use flashsale_io::redis::RedisConfig;
 
 /// Configuration of the edge, identical on every shard.
@@ -109,6 +110,26 @@ pub struct EdgeConfig {
     /// This process among the instances on one set of stores (generated request ids, the
     /// shards' log lines, the reconcile lease).
     pub instance_id: crate::logic::ids::InstanceId,
+}
+
+/// Redis nodes with a circuit of their own per shard (a cluster of up to 64 masters).
+const REDIS_NODES_MAX: usize = 64;
+
+impl EdgeConfig {
+    /// The owner state's bounds (`logic::submit::OwnerState`).
+    pub fn owner_limits(&self) -> OwnerLimits {
+        OwnerLimits {
+            partition: self.partition,
+            skus_tracked_max: self.skus_tracked_max,
+            accepted_per_shard_max: self.accepted_per_shard_max,
+            in_flight_max: self.submit_in_flight_max,
+            budgets: self.admission,
+            redis_circuit: self.redis_circuit,
+            redis_nodes_max: REDIS_NODES_MAX,
+            busy_retry_ms: self.busy_retry_ms,
+            overload: self.overload,
+        }
+    }
 }
 
 /// The republish scanner's settings (`scanner.rs`).

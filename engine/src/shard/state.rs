@@ -24,10 +24,7 @@ use super::store::Store;
 use crate::durable::modes::ShardModes;
 use crate::logic::ids::GeneratedRequestId;
 use crate::logic::metrics::ShardMetrics;
-use crate::logic::submit::{OwnerLimits, OwnerState};
-
-/// Redis nodes with a circuit of their own per shard (a cluster of up to 64 masters).
-const REDIS_NODES_MAX: usize = 64;
+use crate::logic::submit::OwnerState;
 
 pub struct Shard {
     pub id: usize,
@@ -59,7 +56,7 @@ impl Shard {
         Shard {
             id,
             shared: Arc::clone(shared),
-            owner: Rc::new(RefCell::new(OwnerState::new(owner_limits(config), id_seed))),
+            owner: Rc::new(RefCell::new(OwnerState::new(config.owner_limits(), id_seed))),
             mesh: Rc::new(Mesh::new(id, shard_count, senders, config.skus_tracked_max)),
             limiters: Limiters::new(config),
             publish: Rc::new(PublishPath::new(id, shared, &store)),
@@ -86,20 +83,5 @@ impl Shard {
 
     pub fn is_draining(&self) -> bool {
         self.shared.is_draining()
-    }
-}
-
-/// The owner state's bounds, from the edge configuration.
-fn owner_limits(config: &EdgeConfig) -> OwnerLimits {
-    OwnerLimits {
-        partition: config.partition,
-        skus_tracked_max: config.skus_tracked_max,
-        accepted_per_shard_max: config.accepted_per_shard_max,
-        in_flight_max: config.submit_in_flight_max,
-        budgets: config.admission,
-        redis_circuit: config.redis_circuit,
-        redis_nodes_max: REDIS_NODES_MAX,
-        busy_retry_ms: config.busy_retry_ms,
-        overload: config.overload,
     }
 }

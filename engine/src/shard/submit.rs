@@ -89,9 +89,18 @@ pub async fn handle_submit(
 ) {
     let (answer, request_id) = submit(deps, request, body, ctx).await;
     deps.metrics().count_submit(answer.outcome);
-    let (code, state) = answer.outcome.http();
-    head.status = Status::from_code(code).unwrap_or(Status::InternalServerError);
+    let (status, body) = answer_body(&answer, request_id);
+    head.status = status;
     head.retry_after_ms = answer.retry_after_ms;
+    write_state(out, head, &body);
+}
+
+/// A submission's answer as HTTP: its status and its JSON body (the benches write it so too).
+pub fn answer_body<'a>(
+    answer: &'a SubmitAnswer,
+    request_id: Option<&'a str>,
+) -> (Status, StateBody<'a>) {
+    let (code, state) = answer.outcome.http();
     let body = StateBody {
         request_id,
         state,
@@ -101,7 +110,7 @@ pub async fn handle_submit(
         retry_after_ms: answer.retry_after_ms,
         replayed: answer.replayed,
     };
-    write_state(out, head, &body);
+    (Status::from_code(code).unwrap_or(Status::InternalServerError), body)
 }
 
 /// The submit flow up to the answer; also returns the body's request id (borrowed) for the
@@ -255,6 +264,25 @@ async fn owner_submit_inner(deps: &SubmitDeps<'_>, s: &SubmitRequest<'_>) -> Sub
     answer
 }
 
+/// `reserve`'s arguments for the owner's call (the `owner_path` bench builds them here too).
+pub fn reserve_args<'a>(
+    s: &SubmitRequest<'a>,
+    call: &'a Call,
+    now_ms: u64,
+    pending_grace_ms: u64,
+) -> ReserveArgs<'a> {
+    ReserveArgs {
+        request_id: s.request_id,
+        user_id: s.user_id.0,
+        payload_hash: s.payload_hash.as_str(),
+        reservation_id: &call.reservation_id,
+        message_id: &call.message_id,
+        now_ms,
+        pending_grace_ms,
+        quantity: s.quantity,
+    }
+}
+
 /// `reserve`, `finish`, and for a fresh reservation the publish: I/O only between the
 /// decisions, each decision one borrow of the owner state.
 async fn expensive_path(
@@ -267,16 +295,7 @@ async fn expensive_path(
     let span = tracing::Span::current();
     span.record("reservation_id", call.reservation_id.as_str());
     span.record("message_id", call.message_id.as_str());
-    let args = ReserveArgs {
-        request_id: s.request_id,
-        user_id: s.user_id.0,
-        payload_hash: s.payload_hash.as_str(),
-        reservation_id: &call.reservation_id,
-        message_id: &call.message_id,
-        now_ms: now,
-        pending_grace_ms: deps.shared.config.pending_grace_ms,
-        quantity: s.quantity,
-    };
+    let args = reserve_args(s, &call, now, deps.shared.config.pending_grace_ms);
     let result = if call.sold_out_reads {
         let reads = deps.store.functions.sold_out_reads(keys, s.user_id.0, s.request_id).await;
         sold_out_result(reads, s.payload_hash.as_str(), s.quantity)
