@@ -341,22 +341,21 @@ fn a_node_cut_off_without_a_reset_is_left_within_seconds_and_publishes_resume() 
     let cut = Instant::now();
     let (resumed, control_acks) = rt.block_on(async {
         let resumed = async {
-            for i in 0.. {
-                match publish(&log, format!("after-{i}")).await {
-                    Ok(_) => return Some(cut.elapsed()),
-                    Err(_) if cut.elapsed() < Duration::from_secs(60) => {}
-                    Err(_) => return None,
+            for i in 0u64.. {
+                if publish(&log, format!("after-{i}")).await.is_ok() {
+                    return Some(cut.elapsed());
+                }
+                if cut.elapsed() >= Duration::from_secs(60) {
+                    break;
                 }
             }
             None
         };
         let control = async {
-            let mut acks = 0;
-            for i in 0.. {
-                if cut.elapsed() > CONTROL_FOR {
-                    break;
-                }
+            let (mut acks, mut i) = (0, 0u64);
+            while cut.elapsed() <= CONTROL_FOR {
                 acks += usize::from(publish(&control, format!("control-{i}")).await.is_ok());
+                i += 1;
             }
             acks
         };

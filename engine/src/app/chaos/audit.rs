@@ -109,7 +109,8 @@ pub fn audit(answers: &[Answer], stores: &Stores) -> Vec<Breach> {
     breaches
 }
 
-fn is_promise(a: &Answer) -> bool {
+/// An answer that promised the buyer a reservation (`QUEUED` or `QUEUED_PENDING`).
+pub fn is_promise(a: &Answer) -> bool {
     a.kind == AnswerKind::Submit && (a.state == "QUEUED" || a.state == "QUEUED_PENDING")
 }
 

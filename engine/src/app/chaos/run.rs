@@ -259,11 +259,8 @@ fn settle(market: &Market, answers: &mut Vec<Answer>) {
 /// PostgreSQL's view of the SKU once every promise has settled there (or the bound passed),
 /// with its audit, and the engine's reconcile report once ok (or its last text).
 fn read_stores(pg_url: &str, admins: &[SocketAddr], answers: &[Answer]) -> anyhow::Result<Stores> {
-    let promised: Vec<&str> = answers
-        .iter()
-        .filter(|a| a.kind == AnswerKind::Submit && a.state.starts_with("QUEUED"))
-        .map(|a| a.request_id.as_str())
-        .collect();
+    let promised: Vec<&str> =
+        answers.iter().filter(|a| audit::is_promise(a)).map(|a| a.request_id.as_str()).collect();
     let deadline = Instant::now() + SETTLE_TIMEOUT;
     let rt = runtime()?;
     let mut stores = loop {

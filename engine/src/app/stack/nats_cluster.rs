@@ -216,7 +216,7 @@ impl NatsCluster {
                 let urls = varz["connect_urls"].as_array().cloned().unwrap_or_default();
                 let urls: Vec<&str> = urls.iter().filter_map(|u| u.as_str()).collect();
                 let stale = urls.len() != wanted.len()
-                    || !urls.iter().all(|u| wanted.contains(&u.to_string()));
+                    || !urls.iter().all(|u| wanted.iter().any(|w| w == u));
                 stale.then(|| format!("node {} advertises {urls:?}", node.name))
             })
         };
