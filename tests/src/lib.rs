@@ -72,6 +72,19 @@ impl Private {
         self.server.url()
     }
 
+    /// The server's own directory (data, logs, pid and port files; a nats-server's store is
+    /// `store/` in it).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.server.dir
+    }
+
+    /// A graceful stop (SIGTERM; PostgreSQL's fast shutdown): the server flushes its state;
+    /// the port stays reserved for [`Private::restart`].
+    pub fn stop(&mut self) {
+        let name = self.server.kind.name();
+        self.server.stop().unwrap_or_else(|e| panic!("stop private {name}: {e}"));
+    }
+
     /// kill -9: no shutdown; the port stays reserved for [`Private::restart`]. Panics when
     /// the stack refused (the recorded pid is not this server) or the process outlived it.
     pub fn kill(&mut self) {

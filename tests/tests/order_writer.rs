@@ -24,7 +24,7 @@ use flashsale_io::jetstream::{
     ORDER_CREATE_SUBJECT, ORDER_WRITER_CONSUMER,
 };
 use flashsale_io::wire::{EventType, OrderCreate, RejectReason};
-use flashsale_pg_worker::{build_pool, start, write_batch, Recorded, WriteOutcome};
+use flashsale_pg_worker::{build_pool, start, write_batch, Recorded, WorkerConfig, WriteOutcome};
 use pipeline_support::*;
 use tokio_postgres::Client;
 
@@ -622,6 +622,86 @@ async fn a_worker_killed_between_commit_and_ack_loses_nothing_and_duplicates_not
         for (_, _, _, e) in mine {
             assert_eq!(e.order_id, Some(m.order_id()));
         }
+    }
+    stack.assert_invariants(ACTIVITY, SKU).await;
+}
+
+/// A stream store that lost its sequence while the consumer's state survived: nats-server
+/// 2.9.10 leaves that after resetting a replica's clustered state (seed 8 of the fault
+/// campaign; `flashsale_io::jetstream::StrandWatch`). Here the store's message files go while
+/// the server is down, which leaves the same state: the stream numbers new messages from 1
+/// again, below `order-writer`'s floor, acks every publish and delivers none. Without the
+/// strand watch (the control) the queued buyers never get an order; with it, the consumer is
+/// recreated and every one does, once.
+#[tokio::test]
+async fn messages_stranded_below_the_consumers_floor_get_their_orders_once_the_consumer_is_recreated(
+) {
+    let mut stack = stack().await;
+    seed_sku(&stack.client, ACTIVITY, SKU, 10, "TOKEN").await;
+    let before: Vec<OrderCreate> =
+        (1..=5).map(|u| message(ACTIVITY, SKU, u, &format!("s{u}"))).collect();
+    stack.publish_all(&before).await;
+    let worker = start(stack.worker_config(8)).expect("start");
+    wait_for_orders(&stack, 5).await;
+    wait_drained(&stack).await;
+    worker.shutdown().expect("shutdown");
+
+    // The store loses its messages and their sequence; the consumer's state stays (stopped
+    // gracefully so that its ack floor is on disk: after a kill -9 the floor can be older,
+    // and the consumer then redelivers the new messages by chance as its "unacked" ones).
+    stack.nats.stop();
+    let msgs = stack.nats.dir().join("store/jetstream/$G/streams").join(ORDERS_STREAM).join("msgs");
+    for file in std::fs::read_dir(&msgs).expect("the stream's message files") {
+        std::fs::remove_file(file.expect("entry").path()).expect("remove a message file");
+    }
+    stack.nats.restart();
+    eventually("SECKILL_ORDERS back", WAIT, || async {
+        match stack.log.context().get_stream(ORDERS_STREAM).await {
+            Ok(mut stream) => stream.info().await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    let after: Vec<OrderCreate> =
+        (6..=8).map(|u| message(ACTIVITY, SKU, u, &format!("s{u}"))).collect();
+    stack.publish_all(&after).await;
+    let mut stream = stack.log.context().get_stream(ORDERS_STREAM).await.expect("stream");
+    let state = stream.info().await.expect("stream info").state.clone();
+    let consumer = stream.consumer_info(ORDER_WRITER_CONSUMER).await.expect("consumer info");
+    assert_eq!((state.first_sequence, state.last_sequence), (1, 3), "the sequence restarted");
+    assert_eq!(
+        (consumer.delivered.stream_sequence, consumer.ack_floor.stream_sequence),
+        (5, 5),
+        "the consumer's floor survived"
+    );
+
+    // The control: a worker without the watch delivers nothing for 3 s (ten times its pull
+    // wait, thirty lag polls).
+    let blind =
+        start(WorkerConfig { stranded_repair_ms: 0, ..stack.worker_config(8) }).expect("start");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    blind.shutdown().expect("shutdown");
+    assert_eq!(stack.count("SELECT count(*) FROM orders").await, 5, "stranded: no order");
+    assert_eq!(stack.consumer_state(ORDERS_STREAM, ORDER_WRITER_CONSUMER).await, (0, 0));
+    assert_eq!(stack.stream_messages(ORDERS_STREAM).await.len(), 3, "held, never delivered");
+
+    // With the watch (1 s here): the consumer is recreated and the three are written once.
+    let repairing = std::time::Instant::now();
+    let worker = start(stack.worker_config(8)).expect("start");
+    wait_for_orders(&stack, 8).await;
+    eprintln!(
+        "stranded orders written {:.1} s after the worker started",
+        repairing.elapsed().as_secs_f64()
+    );
+    wait_drained(&stack).await;
+    wait_outbox_published(&stack).await;
+    worker.shutdown().expect("shutdown");
+    assert!(stack.stream_messages(ORDERS_STREAM).await.is_empty());
+    for m in before.iter().chain(&after) {
+        let orders = stack
+            .count(&format!("SELECT count(*) FROM orders WHERE user_id = {}", m.user_id))
+            .await;
+        assert_eq!(orders, 1, "buyer {}", m.user_id);
     }
     stack.assert_invariants(ACTIVITY, SKU).await;
 }

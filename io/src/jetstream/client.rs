@@ -138,12 +138,34 @@ impl Log {
         for (stream, durable) in
             [(ORDERS_STREAM, ORDER_WRITER_CONSUMER), (EVENTS_STREAM, REDIS_SYNC_CONSUMER)]
         {
-            let config = pull_consumer_config(&self.config, durable);
-            self.context.create_consumer_on_stream(config, stream).await.map_err(|e| {
-                LogError::Api { op: "ensure consumer", message: e.to_string(), transient: false }
-            })?;
+            self.ensure_consumer(stream, durable).await?;
         }
         Ok(())
+    }
+
+    async fn ensure_consumer(&self, stream: &str, durable: &str) -> Result<(), LogError> {
+        let config = pull_consumer_config(&self.config, durable);
+        self.context.create_consumer_on_stream(config, stream).await.map_err(|e| {
+            LogError::Api { op: "ensure consumer", message: e.to_string(), transient: false }
+        })?;
+        Ok(())
+    }
+
+    /// Deletes `order-writer` and creates it again with the same config: the new consumer
+    /// delivers every message `SECKILL_ORDERS` holds, the stranded ones included (`strand.rs`).
+    /// Pulls bound to the old one fail until it is back, then reach the new one by name.
+    pub async fn recreate_order_writer(&self) -> Result<(), LogError> {
+        let api = |e: &dyn std::fmt::Display| LogError::Api {
+            op: "recreate consumer",
+            message: e.to_string(),
+            transient: true,
+        };
+        let stream = self.context.get_stream(ORDERS_STREAM).await.map_err(|e| api(&e))?;
+        // Gone already (another instance's repair) is as good as deleted.
+        if let Err(e) = stream.delete_consumer(ORDER_WRITER_CONSUMER).await {
+            tracing::debug!(error = %e, "order-writer delete before recreation failed");
+        }
+        self.ensure_consumer(ORDERS_STREAM, ORDER_WRITER_CONSUMER).await
     }
 
     /// A publisher sharing this connection and its outstanding-ack bound.

@@ -44,6 +44,11 @@ pub struct LagSample {
     /// The consumer's ack floor: every message up to this sequence is settled (acked after its
     /// commit, or terminated into the dead letters).
     pub ack_floor: u64,
+    /// The stream's first sequence (its oldest message, when it holds one).
+    pub first_sequence: u64,
+    /// Messages the stream holds while the consumer has none pending and none unacked: below
+    /// its floor, never to be delivered (`strand.rs`). 0 whenever the consumer has work.
+    pub stranded: u64,
 }
 
 /// The last sample, shared. Clone freely.
@@ -125,11 +130,14 @@ pub(super) async fn poll(
         };
         now_ms.saturating_sub(u64::try_from(head_ns / 1_000_000).unwrap_or(0))
     };
+    let idle = consumer.num_pending == 0 && consumer.num_ack_pending == 0;
     Ok(LagSample {
         pending,
         oldest_pending_age_ms,
         last_sequence: state.last_sequence,
         ack_floor: consumer.ack_floor.stream_sequence,
+        first_sequence: state.first_sequence,
+        stranded: if idle { state.messages } else { 0 },
     })
 }
 
@@ -199,6 +207,7 @@ mod tests {
             oldest_pending_age_ms: 1_500,
             last_sequence: 40,
             ack_floor: 33,
+            ..LagSample::default()
         };
         lag.store(sample, 1_000);
         assert_eq!(reader.pending(), 7);

@@ -26,6 +26,9 @@
 //!   from JetStream and readable through a cheap shared handle (the edge's admission);
 //!   [`Log::poll_placement`]: each replicated stream's configured and current replicas
 //!   (gauges `flashsale_log_stream_replicas{stream}` / `..._current{stream}`).
+//! - [`StrandWatch`] (`strand.rs`): messages the work queue holds below `order-writer`'s
+//!   floor (a stream store that lost its sequence), seen from the lag samples, and
+//!   [`Log::recreate_order_writer`], the repair.
 //! - `stats.rs` — [`Log::poll_stats`]: each stream's messages, bytes, byte limit and leader,
 //!   its consumers' pending counts (the edge's dependency metrics).
 //!
@@ -55,6 +58,7 @@ mod lag;
 mod names;
 mod publisher;
 mod stats;
+mod strand;
 mod streams;
 
 /// The client crate, for callers (tests, tools) that inspect streams directly.
@@ -75,6 +79,7 @@ pub use names::{
 };
 pub use publisher::{event_msg_id, PublishAck, Publisher};
 pub use stats::{ConsumerStats, StreamStats};
+pub use strand::StrandWatch;
 pub use streams::{
     dlq_stream_config, events_stream_config, leases_stream_config, modes_stream_config,
     orders_stream_config, pull_consumer_config,

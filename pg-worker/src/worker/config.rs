@@ -69,6 +69,9 @@ pub struct WorkerConfig {
     pub outbox_idle_ms: u64,
     /// Interval of the lag and backlog polls.
     pub lag_poll_ms: u64,
+    /// How long messages may sit stranded below `order-writer`'s floor before the consumer is
+    /// recreated (`flashsale_io::jetstream::StrandWatch`); 0 turns the repair off.
+    pub stranded_repair_ms: u64,
     /// Pause after a failed pull, pool checkout or outbox round.
     pub error_pause_ms: u64,
     /// Bound on each phase of a graceful shutdown.
@@ -117,6 +120,9 @@ impl Default for WorkerConfig {
             outbox_batch_max: 256,
             outbox_idle_ms: 20,
             lag_poll_ms: 500,
+            // Ten samples: an ack racing one sample's two requests is never mistaken for it,
+            // and a stranded buyer waits seconds, well inside the 120 s the auditor allows.
+            stranded_repair_ms: 5_000,
             error_pause_ms: 200,
             shutdown_timeout_ms: 10_000,
             tracing: WorkerTracing::Off,

@@ -86,6 +86,7 @@ impl Stack {
             outbox_batch_max: 128,
             outbox_idle_ms: 10,
             lag_poll_ms: 100,
+            stranded_repair_ms: 1_000,
             error_pause_ms: 50,
             shutdown_timeout_ms: 10_000,
             closer: Default::default(),
