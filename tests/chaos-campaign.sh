@@ -61,6 +61,7 @@ jq -rs --arg commit "$commit" --argjson seeds "$(( LAST - FIRST + 1 ))" '
     "breaches: \([.[].breaches | length] | add)\([.[] | select(.breaches | length > 0) | " (seed \(.seed))"] | join(""))",
     "rounds: \($rounds | length), \([$rounds[] | select(.faults | contains(" + "))] | length) with two faults at once, \($skipped | length) skipped (late after a slow heal)",
     "nemesis actions that failed: \($failed | length)\([$failed[] | "\n  \(.what): \(.error)"] | join(""))",
+    "nats-server stream-state resets: \([.[].log_repairs.stream_resets // 0] | add), order-writer recreations by the strand watch: \([.[].log_repairs.consumer_recreations // 0] | add)",
     "answers: \([.[].answers | to_entries[]] | group_by(.key) | map({(.[0].key): (map(.value) | add)}) | add)",
     "longest stretch without QUEUED per fault kind (max / median, rounds):",
     ($faults | group_by(.kind) | sort_by(-(map(.ms) | max))[]

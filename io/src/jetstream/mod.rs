@@ -79,7 +79,7 @@ pub use names::{
 };
 pub use publisher::{event_msg_id, PublishAck, Publisher};
 pub use stats::{ConsumerStats, StreamStats};
-pub use strand::StrandWatch;
+pub use strand::{StrandWatch, RECREATION_LOG};
 pub use streams::{
     dlq_stream_config, events_stream_config, leases_stream_config, modes_stream_config,
     orders_stream_config, pull_consumer_config,

@@ -29,6 +29,12 @@
 
 use super::lag::LagSample;
 
+/// The message the worker logs (at ERROR) when it recreates the consumer: one line per repair,
+/// which the fault soak counts in the engines' logs.
+pub const RECREATION_LOG: &str =
+    "SECKILL_ORDERS holds messages order-writer will never deliver (a stream store that lost \
+     its sequence): recreating the consumer";
+
 /// Watches successive lag samples for stranded messages.
 #[derive(Debug, Clone)]
 pub struct StrandWatch {

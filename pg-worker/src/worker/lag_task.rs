@@ -12,7 +12,7 @@
 //!
 //! Read next: `../outbox.rs` (`backlog`), `flashsale_io::jetstream` (`poll_order_writer_lag`).
 
-use flashsale_io::jetstream::{StrandWatch, ORDER_WRITER_CONSUMER};
+use flashsale_io::jetstream::{StrandWatch, ORDER_WRITER_CONSUMER, RECREATION_LOG};
 use tokio::sync::watch;
 
 use super::shared::{ms, now_ms, pause, within_deadline, Shared};
@@ -55,12 +55,7 @@ pub(super) async fn run(shared: &Shared, mut stop: watch::Receiver<bool>) {
 
 /// Recreates `order-writer` over messages stranded below its floor (`StrandWatch`).
 async fn repair_strands(shared: &Shared, stranded: u64, first_sequence: u64) {
-    tracing::error!(
-        stranded,
-        first_sequence,
-        "SECKILL_ORDERS holds messages order-writer will never deliver (a stream store that \
-         lost its sequence): recreating the consumer"
-    );
+    tracing::error!(stranded, first_sequence, "{RECREATION_LOG}");
     metrics::counter!("flashsale_log_consumer_recreated_total", "consumer" => ORDER_WRITER_CONSUMER)
         .increment(1);
     if let Err(e) = shared.log.recreate_order_writer().await {

@@ -8,11 +8,11 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flashsale_io::jetstream::{EVENTS_STREAM, ORDERS_STREAM};
+use flashsale_io::jetstream::{EVENTS_STREAM, ORDERS_STREAM, RECREATION_LOG};
 use flashsale_io::key::HmacKey;
 
 use super::audit::{self, Answer, AnswerKind, Breach, Stores};
@@ -98,6 +98,18 @@ pub struct Verdict {
     /// Each NATS node's view of the two streams once the stores were read
     /// ([`stack::NatsCluster::stream_views`]): the first thing to read after a promise breach.
     pub log_state: Vec<String>,
+    /// What nats-server did to its own copies and what the engines did about it, counted in
+    /// the run's logs ([`log_repairs`]).
+    pub log_repairs: LogRepairs,
+}
+
+/// Lines of the run's logs that say the log lost or repaired state: nats-server resetting a
+/// replica's stream state (every node's `server.log`), and the engines' workers recreating
+/// `order-writer` over stranded messages (`engine-N.log`; `flashsale_io::jetstream::StrandWatch`).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LogRepairs {
+    pub stream_resets: usize,
+    pub consumer_recreations: usize,
 }
 
 pub fn run(plan: &ChaosPlan) -> anyhow::Result<Verdict> {
@@ -143,6 +155,7 @@ pub fn run(plan: &ChaosPlan) -> anyhow::Result<Verdict> {
             .iter()
             .flat_map(|stream| targets.nats.stream_views(stream))
             .collect(),
+        log_repairs: log_repairs(&plan.dir),
     };
     report(plan, &verdict)?;
     write_record(plan, &answers)?;
@@ -393,6 +406,29 @@ fn write_record(plan: &ChaosPlan, answers: &[Answer]) -> anyhow::Result<()> {
     std::fs::write(&path, text).with_context(|| format!("write {}", path.to_string_lossy()))
 }
 
+/// Counts [`LogRepairs`] in the logs under `dir` (a log that cannot be read counts nothing).
+fn log_repairs(dir: &Path) -> LogRepairs {
+    let count = |path: PathBuf, needle: &str| {
+        std::fs::read(&path)
+            .map(|text| text.split(|b| *b == b'\n').filter(|l| contains(l, needle)).count())
+            .unwrap_or(0)
+    };
+    let nodes = std::fs::read_dir(dir.join("nats-cluster")).into_iter().flatten().flatten();
+    let engines = std::fs::read_dir(dir).into_iter().flatten().flatten().filter(|e| {
+        e.file_name().to_str().is_some_and(|n| n.starts_with("engine-") && n.ends_with(".log"))
+    });
+    LogRepairs {
+        stream_resets: nodes
+            .map(|node| count(node.path().join("server.log"), "Resetting stream cluster state"))
+            .sum(),
+        consumer_recreations: engines.map(|e| count(e.path(), RECREATION_LOG)).sum(),
+    }
+}
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
 /// Prints the events, the figures, the answers and the verdict; writes the JSON.
 fn report(plan: &ChaosPlan, verdict: &Verdict) -> anyhow::Result<()> {
     for e in &verdict.events {
@@ -406,6 +442,11 @@ fn report(plan: &ChaosPlan, verdict: &Verdict) -> anyhow::Result<()> {
         );
     }
     println!("  answers: {:?}", verdict.answers);
+    let repairs = &verdict.log_repairs;
+    println!(
+        "  log: {} stream-state resets by nats-server, {} order-writer recreations",
+        repairs.stream_resets, repairs.consumer_recreations
+    );
     if !verdict.breaches.is_empty() {
         verdict.log_state.iter().for_each(|line| println!("  log: {line}"));
     }
