@@ -5,10 +5,12 @@
 //! If the stream's store loses its sequence while the consumer's state survives, the stream
 //! numbers new messages from 1 again, below the consumer's floor: every publish is acked (the
 //! buyer was told `QUEUED`, the scanner's republishes are acked too) and none is ever
-//! delivered. nats-server 2.9.10 (Debian's) does this after a replica's clustered state is
-//! reset ("stream store EOF" → "Resetting stream cluster state"; nats-server#7308/#7348,
-//! fixed in 2.12; a work queue's sequence lost after kill -9, #6881/#6789, fixed in 2.11):
-//! seed 8 of the fault campaign lost 41 queued buyers that way (README, seeded fault soak).
+//! delivered. nats-server 2.9.10 (Debian's) has known defects that leave such a store: a
+//! replica's clustered state reset ("stream store EOF" → "Resetting stream cluster state";
+//! nats-server#7308/#7348, fixed in 2.12) and a work queue's sequence lost after kill -9
+//! (#6881/#6789, fixed in 2.11). The suspected cause of the 41 queued buyers without an order
+//! in seed 8 of an earlier fault campaign (README, "Several faults at once"); the state itself
+//! is reproduced by `tests/tests/order_writer.rs`.
 //!
 //! How it is seen: in a work queue a settled message leaves the stream, so every message it
 //! holds is either not yet delivered (the consumer's `num_pending`) or delivered and not yet
