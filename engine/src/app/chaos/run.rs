@@ -460,3 +460,29 @@ fn report(plan: &ChaosPlan, verdict: &Verdict) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_repairs_count_the_servers_resets_and_the_engines_recreations() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let write = |path: &str, text: &str| {
+            let path = dir.path().join(path);
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            std::fs::write(path, text).expect("write");
+        };
+        let reset = "[WRN] Resetting stream cluster state for '$G > SECKILL_ORDERS'\n";
+        write("nats-cluster/n1/server.log", &format!("[INF] up\n{reset}{reset}"));
+        write("nats-cluster/n3/server.log", reset);
+        // The engine's log as tracing writes it, colours included.
+        let line = format!("\u{1b}[31mERROR\u{1b}[0m lag_task: {RECREATION_LOG} stranded=3\n");
+        write("engine-0.log", &format!("INFO started\n{line}"));
+        write("engine-1.log", "INFO started\n");
+        write("balancer/haproxy.log", &line);
+        let repairs = log_repairs(dir.path());
+        assert_eq!((repairs.stream_resets, repairs.consumer_recreations), (3, 1));
+        assert_eq!(log_repairs(&dir.path().join("missing")).stream_resets, 0);
+    }
+}
