@@ -627,8 +627,8 @@ async fn a_worker_killed_between_commit_and_ack_loses_nothing_and_duplicates_not
 }
 
 /// A stream store that lost its sequence while the consumer's state survived: nats-server
-/// 2.9.10 leaves that after resetting a replica's clustered state (seed 8 of the fault
-/// campaign; `flashsale_io::jetstream::StrandWatch`). Here the store's message files go while
+/// 2.9.10's known defects can leave that (the suspected cause of seed 8's breach in an earlier
+/// fault campaign; `flashsale_io::jetstream::StrandWatch`). Here the store's message files go while
 /// the server is down, which leaves the same state: the stream numbers new messages from 1
 /// again, below `order-writer`'s floor, acks every publish and delivers none. Without the
 /// strand watch (the control) the queued buyers never get an order; with it, the consumer is

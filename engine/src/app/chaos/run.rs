@@ -410,7 +410,9 @@ fn write_record(plan: &ChaosPlan, answers: &[Answer]) -> anyhow::Result<()> {
 fn log_repairs(dir: &Path) -> LogRepairs {
     let count = |path: PathBuf, needle: &str| {
         std::fs::read(&path)
-            .map(|text| text.split(|b| *b == b'\n').filter(|l| contains(l, needle)).count())
+            .map(|bytes| {
+                String::from_utf8_lossy(&bytes).lines().filter(|l| l.contains(needle)).count()
+            })
             .unwrap_or(0)
     };
     let nodes = std::fs::read_dir(dir.join("nats-cluster")).into_iter().flatten().flatten();
@@ -423,10 +425,6 @@ fn log_repairs(dir: &Path) -> LogRepairs {
             .sum(),
         consumer_recreations: engines.map(|e| count(e.path(), RECREATION_LOG)).sum(),
     }
-}
-
-fn contains(haystack: &[u8], needle: &str) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
 }
 
 /// Prints the events, the figures, the answers and the verdict; writes the JSON.
